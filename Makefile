@@ -4,15 +4,19 @@ PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# What the site targets need first. The tests set it empty, to build a copy of the sources
+# with the interpreter they already run in.
+NEEDS   ?= $(STAMP)
 BUILD   := _build
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 EXAMPLE ?=
 SPHINXOPTS ?=
+LINTED  := examples tests docs conf.py
 # -W: a warning fails the build; --keep-going: but report every warning first.
 SPHINXBUILD = $(PY) -m sphinx -b html -W --keep-going -c . $(SPHINXOPTS) docs $(BUILD)/html
 
 .DEFAULT_GOAL := help
-.PHONY: help venv html html-noplot test serve clean
+.PHONY: help venv html html-noplot test lint serve clean
 
 help:  ## List the targets
 	@echo "torch.func by example. Targets:"
@@ -34,16 +38,20 @@ $(STAMP): requirements.txt
 # again and reports the same problems, instead of quietly reusing a half-built site.
 FORGET_ON_FAILURE = || { rm -rf $(BUILD)/html/.doctrees; echo "error: the site did not build; see the messages above" >&2; exit 1; }
 
-html: $(STAMP)  ## Build the site, running the examples, into _build/html
+html: $(NEEDS)  ## Build the site, running the examples, into _build/html
 	GALLERY_EXAMPLE="$(EXAMPLE)" $(SPHINXBUILD) $(FORGET_ON_FAILURE)
 	@echo "Built the site: open $(CURDIR)/$(BUILD)/html/index.html"
 
-html-noplot: $(STAMP)  ## Build the site without running the examples
+html-noplot: $(NEEDS)  ## Build the site without running the examples
 	$(SPHINXBUILD) -D plot_gallery=0 $(FORGET_ON_FAILURE)
 	@echo "Built the site (examples not run): open $(CURDIR)/$(BUILD)/html/index.html"
 
 test: $(STAMP)  ## Run the test suite (it builds its own copy of the site)
 	$(PY) -m pytest tests
+
+lint: $(NEEDS)  ## Check the code style of examples, tests and docs with ruff
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 
 serve: ## Serve the built site on http://127.0.0.1:8000
 	$(PY) -m http.server --bind 127.0.0.1 --directory $(BUILD)/html 8000

@@ -18,13 +18,25 @@ extensions = [
     "sphinx_gallery.gen_gallery",  # runs examples/plot_*.py and renders them as pages
     "gallery_support",  # strips third-party assets from the execution-times pages
 ]
-exclude_patterns = ["auto_examples/*.ipynb", "auto_examples/*.py", "auto_examples/*.zip"]
+exclude_patterns = [
+    "auto_examples/*.ipynb",
+    "auto_examples/*.py",
+    "auto_examples/*.zip",
+]
+
+# "Run in Google Colab" opens the notebook from the branch that GitHub Pages serves. The
+# repository (owner/name) comes from GitHub Actions; where it is empty the button is left out.
+colab_notebooks = {"repository": os.environ.get("GITHUB_REPOSITORY", ""), "branch": "gh-pages"}
 
 html_theme = "furo"
 html_static_path = ["docs/_static"]  # relative to conf.py
 html_css_files = ["site.css"]
-html_favicon = "docs/_static/favicon.svg"  # a missing favicon is a failed request in the browser
-html_show_sourcelink = False  # readers want the example downloads, not the generated reST
+html_favicon = (
+    "docs/_static/favicon.svg"  # a missing favicon is a failed request in the browser
+)
+html_show_sourcelink = (
+    False  # readers want the example downloads, not the generated reST
+)
 pygments_style = "friendly"
 pygments_dark_style = "monokai"
 
@@ -34,11 +46,16 @@ _only_example = os.environ.get("GALLERY_EXAMPLE", "").removesuffix(".py")
 sphinx_gallery_conf = {
     "examples_dirs": "../examples",  # relative to docs/, the source folder
     "gallery_dirs": "auto_examples",  # generated, git-ignored
-    "filename_pattern": re.escape(os.sep + _only_example) if _only_example else re.escape(os.sep) + "plot_",
+    "filename_pattern": re.escape(os.sep + _only_example)
+    if _only_example
+    else re.escape(os.sep) + "plot_",
     "within_subsection_order": "FileNameSortKey",  # reading order is set by the index page
     "download_all_examples": True,  # zips of every .py and every .ipynb
     "first_notebook_cell": gallery_support.notebook_install_cell(),  # installs torch where missing
-    "reset_modules": ("matplotlib", "gallery_support.reset_state"),  # no state leaks between examples
+    "reset_modules": (
+        "matplotlib",
+        "gallery_support.reset_state",
+    ),  # no state leaks between examples
     "reset_modules_order": "before",
     "abort_on_example_error": False,  # run every example, then fail the build listing all failures
     "only_warn_on_example_error": False,

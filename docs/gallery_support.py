@@ -6,6 +6,9 @@ import re
 from pathlib import Path
 
 import torch
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.errors import ExtensionError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -28,7 +31,9 @@ def reset_state(gallery_conf, fname):
     torch.set_grad_enabled(True)
     torch.set_num_threads(_DEFAULT_THREADS)
     torch.use_deterministic_algorithms(False)
-    torch.set_float32_matmul_precision("highest")  # PyTorch's default: no TF32 in matmuls
+    torch.set_float32_matmul_precision(
+        "highest"
+    )  # PyTorch's default: no TF32 in matmuls
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default for convolutions
     plt.close("all")
     matplotlib.rcdefaults()
@@ -49,7 +54,9 @@ def memory_reporter():
 def pinned_version(package):
     """The exact version requirements.txt pins for ``package``."""
     text = (REPO_ROOT / "requirements.txt").read_text()
-    match = re.search(rf"^{re.escape(package)}==(\S+)", text, flags=re.MULTILINE | re.IGNORECASE)
+    match = re.search(
+        rf"^{re.escape(package)}==(\S+)", text, flags=re.MULTILINE | re.IGNORECASE
+    )
     if match is None:
         raise ValueError(f"requirements.txt pins no version of {package}")
     return match.group(1)
@@ -57,7 +64,9 @@ def pinned_version(package):
 
 def notebook_install_cell():
     """The first cell of every notebook: install torch and matplotlib only where missing."""
-    pins = " ".join(f"{name}=={pinned_version(name)}" for name in ("torch", "matplotlib"))
+    pins = " ".join(
+        f"{name}=={pinned_version(name)}" for name in ("torch", "matplotlib")
+    )
     return (
         "# Running on a machine without PyTorch? This cell installs the versions the site was\n"
         "# built with. Where torch and matplotlib are already installed (Google Colab, most\n"
@@ -72,16 +81,79 @@ def notebook_install_cell():
 # sphinx-gallery's execution-times pages load jQuery, DataTables and Bootstrap from CDNs. The
 # site loads nothing from third parties, so the raw HTML block that does it is cut out; the
 # table itself is plain reST and stays.
-_CDN_BLOCK = re.compile(r"\n  \.\. raw:: html\n\n(    .*\n|\n)*?(?=\n  \.\. list-table::)")
+_CDN_BLOCK = re.compile(
+    r"\n  \.\. raw:: html\n\n(    .*\n|\n)*?(?=\n  \.\. list-table::)"
+)
 
 
 def strip_cdn_assets(app, docname, source):
     if docname.endswith("sg_execution_times"):
         source[0] = _CDN_BLOCK.sub("\n", source[0])
         if "https://" in source[0]:
-            raise RuntimeError(f"{docname}: could not remove the CDN assets sphinx-gallery adds")
+            raise RuntimeError(
+                f"{docname}: could not remove the CDN assets sphinx-gallery adds"
+            )
+
+
+# Example pages open with three buttons under the title, where a reader looks first: run in
+# Google Colab, download the notebook, download the script. They replace sphinx-gallery's
+# "Go to the end to download" note.
+_EXAMPLE_PAGE = re.compile(r"auto_examples/(.+/)?plot_\w+")
+_GO_TO_THE_END = re.compile(
+    r"\.\. only:: html\n\n    \.\. note::\n        :class: sphx-glr-download-link-note\n"
+    r".*?to download the full example code\.\n",
+    flags=re.DOTALL,
+)
+_TITLE = re.compile(r"^\.\. _sphx_glr_.*\.py:\n\n+.+\n=+\n", flags=re.MULTILINE)
+
+
+def add_example_buttons(app, docname, source):
+    if not _EXAMPLE_PAGE.fullmatch(docname):
+        return
+    name = docname.rsplit("/", 1)[-1]
+    text, notes = _GO_TO_THE_END.subn("", source[0])
+    title = _TITLE.search(text)
+    if notes != 1 or title is None:
+        raise ExtensionError(f"{docname}: sphinx-gallery's page layout changed; buttons not added")
+    buttons = (
+        "\n.. rst-class:: example-buttons\n\n"
+        f":colab:`{name}.ipynb` :download:`Download notebook <{name}.ipynb>` "
+        f":download:`Download Python source <{name}.py>`\n\n"
+    )
+    source[0] = text[: title.end()] + buttons + text[title.end() :]
+
+
+def colab_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    """``:colab:`plot_x.ipynb``` -> a "Run in Google Colab" link, or nothing if no repository."""
+    if not inliner.document.settings.env.config.colab_notebooks.get("repository"):
+        return [], []  # no published notebooks to point at: leave the button out
+    link = nodes.reference(rawtext, "Run in Google Colab", refuri="#", classes=["colab-button"])
+    link["colab_notebook"] = text
+    return [link], []
+
+
+def fill_colab_links(app, doctree, docname):
+    """Point each Colab link at the notebook's path in the published site's branch."""
+    published = {
+        node["reftarget"]: node["filename"]  # e.g. "3f2a.../plot_x.ipynb", under _downloads/
+        for node in doctree.findall(addnodes.download_reference)
+        if "filename" in node
+    }
+    where = app.config.colab_notebooks
+    for link in doctree.findall(nodes.reference):
+        if "colab_notebook" in link:
+            if link["colab_notebook"] not in published:
+                raise ExtensionError(f"{docname}: no download of {link['colab_notebook']}")
+            link["refuri"] = (
+                f"https://colab.research.google.com/github/{where['repository']}"
+                f"/blob/{where['branch']}/_downloads/{published[link['colab_notebook']]}"
+            )
 
 
 def setup(app):
+    app.add_config_value("colab_notebooks", {"repository": "", "branch": "gh-pages"}, "html")
+    app.add_role("colab", colab_role)
     app.connect("source-read", strip_cdn_assets)
+    app.connect("source-read", add_example_buttons)
+    app.connect("doctree-resolved", fill_colab_links)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -35,7 +35,11 @@ def describe_hardware():
         cpu = platform.processor() or platform.machine()
         if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
             with open("/proc/cpuinfo") as cpuinfo:
-                models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+                models = [
+                    line.split(":", 1)[1].strip()
+                    for line in cpuinfo
+                    if line.startswith("model name")
+                ]
             cpu = models[0] if models else cpu
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
@@ -46,14 +50,16 @@ print(describe_hardware())
 
 def median_ms(fn, min_run_time=0.5):
     """Median time of ``fn()`` in milliseconds, using all of torch's threads."""
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    timer = benchmark.Timer(
+        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+    )
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 # %%
 # A batch and a layer
 # -------------------
-# 64 inputs of 31 features go through :math:`f(W, b, x) = \tanh(W x + b)` to 33 outputs. The
+# 64 inputs of 31 features go through *f(W, b, x) = tanh(W x + b)* to 33 outputs. The
 # sizes differ on purpose: in a (64, 33, 31) result every axis has its own length, so a
 # transposed or misplaced axis cannot hide.
 batch_size, num_inputs, num_outputs = 64, 31, 33
@@ -69,7 +75,7 @@ def layer(weight, bias, x):
 # %%
 # The reference: each sample's exact Jacobian
 # -------------------------------------------
-# For one sample, :math:`\partial f_i / \partial x_k = (1 - f_i^2) W_{ik}`. Broadcasting that
+# For one sample, ``∂f_i/∂x_k = (1 − f_i²) W_ik``. Broadcasting that
 # over the batch gives the reference for everything below.
 outputs = layer(weight, bias, inputs)
 reference_jacobians = (1 - outputs**2)[:, :, None] * weight
@@ -94,9 +100,9 @@ torch.testing.assert_close(vmap_jacobians, reference_jacobians)
 # the outputs. That function maps the whole (64, 31) batch to 33 numbers, so ``jacrev`` gives a
 # (33, 64, 31) tensor; moving the batch axis to the front gives (64, 33, 31).
 #
-# Entry :math:`(i, b, k)` of that tensor is :math:`\sum_c \partial f_i(x_c) / \partial x_{b,k}`.
+# Entry ``(i, b, k)`` of that tensor is ``Σ_c ∂f_i(x_c)/∂x_bk``.
 # It equals the per-sample Jacobian **only if each sample's output depends on its own input
-# alone**, so that every term with :math:`c \ne b` vanishes. A per-sample layer satisfies that.
+# alone**, so that every term with ``c ≠ b`` vanishes. A per-sample layer satisfies that.
 
 
 def sum_trick_jacobians(fn, weight, bias, inputs):
@@ -113,7 +119,7 @@ torch.testing.assert_close(trick_jacobians, reference_jacobians)
 # ------------------------------
 # Now make the samples interact: centre the batch (subtract its mean) before the layer, as batch
 # normalisation does. Each output now depends on every input in the batch. The true per-sample
-# Jacobian is the diagonal block :math:`\partial f(x_b) / \partial x_b` of the full Jacobian of
+# Jacobian is the diagonal block ``∂f(x_b)/∂x_b`` of the full Jacobian of
 # the batch function, which we compute in full as the reference. The trick runs without
 # complaint, returns the right shape, and is wrong, because it adds in all the cross-sample
 # terms.
@@ -123,13 +129,19 @@ def centred_layer(weight, bias, batch):
     return layer(weight, bias, batch - batch.mean(dim=0))
 
 
-full_jacobian = jacrev(centred_layer, argnums=2)(weight, bias, inputs)  # (64, 33, 64, 31)
+full_jacobian = jacrev(centred_layer, argnums=2)(
+    weight, bias, inputs
+)  # (64, 33, 64, 31)
 samples = torch.arange(batch_size, device=device)
-true_blocks = full_jacobian[samples, :, samples]  # (64, 33, 31): each sample's own block
+true_blocks = full_jacobian[
+    samples, :, samples
+]  # (64, 33, 31): each sample's own block
 wrong_blocks = sum_trick_jacobians(centred_layer, weight, bias, inputs)
 trick_error = ((wrong_blocks - true_blocks).norm() / true_blocks.norm()).item()
-print(f"sum trick on a batch-coupled function: shape {tuple(wrong_blocks.shape)}, "
-      f"relative error {trick_error:.2f}")
+print(
+    f"sum trick on a batch-coupled function: shape {tuple(wrong_blocks.shape)}, "
+    f"relative error {trick_error:.2f}"
+)
 assert wrong_blocks.shape == true_blocks.shape and trick_error > 0.1
 
 # %%
@@ -145,16 +157,25 @@ assert wrong_blocks.shape == true_blocks.shape and trick_error > 0.1
 # The same pattern gives one Hessian per sample: ``vmap(hessian(...))``. Each sample's Hessian of
 # its 33 outputs with respect to its 31 inputs has shape (33, 31, 31), so the batch is
 # (64, 33, 31, 31). The exact per-sample Hessian,
-# :math:`-2 f_i (1 - f_i^2) W_{ik} W_{il}`, evaluated in float64, is the reference; the
+# ``−2 f_i (1 − f_i²) W_ik W_il``, evaluated in float64, is the reference; the
 # relative error of float32 should sit near 1e-7, and 1e-5 leaves room for accumulation.
 batch_hessian = vmap(hessian(layer, argnums=2), in_dims=(None, None, 0))
 vmap_hessians = batch_hessian(weight, bias, inputs)
 outputs64 = outputs.double()
 weight64 = weight.double()
-reference_hessians = torch.einsum("bi,ik,il->bikl", -2 * outputs64 * (1 - outputs64**2), weight64, weight64)
-hessian_error = ((vmap_hessians.double() - reference_hessians).norm() / reference_hessians.norm()).item()
-print(f"vmap(hessian): {tuple(vmap_hessians.shape)}, relative error {hessian_error:.1e}")
-assert vmap_hessians.shape == (batch_size, num_outputs, num_inputs, num_inputs) and hessian_error < 1e-5
+reference_hessians = torch.einsum(
+    "bi,ik,il->bikl", -2 * outputs64 * (1 - outputs64**2), weight64, weight64
+)
+hessian_error = (
+    (vmap_hessians.double() - reference_hessians).norm() / reference_hessians.norm()
+).item()
+print(
+    f"vmap(hessian): {tuple(vmap_hessians.shape)}, relative error {hessian_error:.1e}"
+)
+assert (
+    vmap_hessians.shape == (batch_size, num_outputs, num_inputs, num_inputs)
+    and hessian_error < 1e-5
+)
 
 # %%
 # Timing: ``vmap``, the trick and a loop
@@ -187,20 +208,27 @@ hessian_times_ms = {
 loop_ms = jacobian_times_ms["Python loop"]
 for method, ms in jacobian_times_ms.items():
     print(f"Jacobians {method:13s} {ms:7.2f} ms  ({loop_ms / ms:.1f}x vs the loop)")
+hessian_loop_ms = hessian_times_ms["Python loop"]
 for method, ms in hessian_times_ms.items():
-    print(f"Hessians  {method:13s} {ms:7.2f} ms  ({hessian_times_ms['Python loop'] / ms:.1f}x vs the loop)")
+    print(
+        f"Hessians  {method:13s} {ms:7.2f} ms  ({hessian_loop_ms / ms:.1f}x vs the loop)"
+    )
 
 # %%
 fig, (ax_jac, ax_hess) = plt.subplots(1, 2, figsize=(8, 3), layout="constrained")
-for ax, times, title in [(ax_jac, jacobian_times_ms, "64 Jacobians (33 × 31)"),
-                         (ax_hess, hessian_times_ms, "64 Hessians (33 × 31 × 31)")]:
-    colors = ["#d95f02", "#7570b3", "#1b9e77"][-len(times):]
+for ax, times, title in [
+    (ax_jac, jacobian_times_ms, "64 Jacobians (33 × 31)"),
+    (ax_hess, hessian_times_ms, "64 Hessians (33 × 31 × 31)"),
+]:
+    colors = ["#d95f02", "#7570b3", "#1b9e77"][-len(times) :]
     bars = ax.bar(list(times), list(times.values()), color=colors)
     ax.bar_label(bars, labels=[f"{ms:.1f}" for ms in times.values()], padding=2)
     ax.set_ylim(0, max(times.values()) * 1.2)
     ax.set_ylabel("median time (ms)")
     ax.set_title(title)
-fig.suptitle(f"Batch derivatives on {device.type.upper()}: a Python loop vs one vectorised call")
+fig.suptitle(
+    f"Batch derivatives on {device.type.upper()}: a Python loop vs one vectorised call"
+)
 plt.show()
 
 # %%

@@ -38,7 +38,11 @@ def describe_hardware():
         cpu = platform.processor() or platform.machine()
         if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
             with open("/proc/cpuinfo") as cpuinfo:
-                models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+                models = [
+                    line.split(":", 1)[1].strip()
+                    for line in cpuinfo
+                    if line.startswith("model name")
+                ]
             cpu = models[0] if models else cpu
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
@@ -49,21 +53,23 @@ print(describe_hardware())
 
 def median_ms(fn, min_run_time=0.3):
     """Median time of ``fn()`` in milliseconds, using all of torch's threads."""
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    timer = benchmark.Timer(
+        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+    )
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 # %%
 # The function and its exact Jacobian
 # -----------------------------------
-# One dense layer with a ``tanh``: :math:`f(W, b, x) = \tanh(W x + b)`. It is small enough to
+# One dense layer with a ``tanh``: *f(W, b, x) = tanh(W x + b)*. It is small enough to
 # differentiate by hand, which gives an independent reference for every check on this page:
 #
-# .. math::
+# .. code-block:: text
 #
-#    \frac{\partial f_i}{\partial x_k} = (1 - f_i^2)\, W_{ik}, \qquad
-#    \frac{\partial f_i}{\partial b_j} = (1 - f_i^2)\, \delta_{ij}, \qquad
-#    \frac{\partial f_i}{\partial W_{jk}} = (1 - f_i^2)\, \delta_{ij}\, x_k .
+#    ∂f_i/∂x_k  = (1 − f_i²) W_ik
+#    ∂f_i/∂b_j  = (1 − f_i²) δ_ij
+#    ∂f_i/∂W_jk = (1 − f_i²) δ_ij x_k
 
 
 def layer(weight, bias, x):
@@ -85,8 +91,8 @@ print("Jacobian shape (outputs, inputs):", tuple(reference.shape))
 # %%
 # Way 1: row by row with ``autograd.grad``
 # ----------------------------------------
-# Backpropagating the unit vector :math:`e_i` from the output gives row :math:`i` of the
-# Jacobian: :math:`e_i^\top J`. One backward pass per output, in a Python loop, keeping the
+# Backpropagating the unit vector ``e_i`` from the output gives row ``i`` of the
+# Jacobian: ``e_iᵀ J``. One backward pass per output, in a Python loop, keeping the
 # graph alive between passes.
 
 
@@ -104,7 +110,7 @@ torch.testing.assert_close(row_by_row, reference)
 # %%
 # Way 2: ``vmap`` over ``vjp``
 # ----------------------------
-# :func:`~torch.func.vjp` returns a function that computes :math:`v^\top J` for any :math:`v`.
+# :func:`~torch.func.vjp` returns a function that computes ``vᵀ J`` for any ``v``.
 # Instead of calling it once per unit vector, :func:`~torch.func.vmap` calls it once with all of
 # them stacked: the whole identity matrix goes through a single, batched backward pass.
 _, vjp_fn = vjp(partial(layer, weight, bias), x)
@@ -124,21 +130,32 @@ print("row by row, vmap(vjp) and jacrev all match the formula")
 # ``argnums`` also takes a tuple. With respect to the weight the Jacobian has shape
 # ``(outputs, *weight.shape)``, and with respect to the bias ``(outputs, *bias.shape)``.
 jacobian_weight, jacobian_bias = jacrev(layer, argnums=(0, 1))(weight, bias, x)
-print("d f / d weight:", tuple(jacobian_weight.shape), "  d f / d bias:", tuple(jacobian_bias.shape))
+print(
+    "d f / d weight:",
+    tuple(jacobian_weight.shape),
+    "  d f / d bias:",
+    tuple(jacobian_bias.shape),
+)
 slope = 1 - layer(weight, bias, x) ** 2
 identity = torch.eye(size, device=device)
-torch.testing.assert_close(jacobian_weight, torch.einsum("i,ij,k->ijk", slope, identity, x))
+torch.testing.assert_close(
+    jacobian_weight, torch.einsum("i,ij,k->ijk", slope, identity, x)
+)
 torch.testing.assert_close(jacobian_bias, torch.diag(slope))
 
 # %%
 # How much the vectorised versions save at this size:
 jacobian_times_ms = {
     "row by row": median_ms(lambda: jacobian_row_by_row(weight, bias, x)),
-    "vmap(vjp)": median_ms(lambda: vmap(vjp(partial(layer, weight, bias), x)[1])(identity)),
+    "vmap(vjp)": median_ms(
+        lambda: vmap(vjp(partial(layer, weight, bias), x)[1])(identity)
+    ),
     "jacrev": median_ms(lambda: jacrev(layer, argnums=2)(weight, bias, x)),
 }
 for method, ms in jacobian_times_ms.items():
-    print(f"{method:10s} {ms:6.3f} ms  ({jacobian_times_ms['row by row'] / ms:.1f}x vs row by row)")
+    print(
+        f"{method:10s} {ms:6.3f} ms  ({jacobian_times_ms['row by row'] / ms:.1f}x vs row by row)"
+    )
 
 # %%
 # Forward or reverse mode?
@@ -151,15 +168,19 @@ for method, ms in jacobian_times_ms.items():
 
 
 def random_layer(inputs, outputs):
-    return (torch.randn(outputs, inputs, device=device) / inputs**0.5,
-            torch.randn(outputs, device=device),
-            torch.randn(inputs, device=device))
+    return (
+        torch.randn(outputs, inputs, device=device) / inputs**0.5,
+        torch.randn(outputs, device=device),
+        torch.randn(inputs, device=device),
+    )
 
 
 def time_both_modes(inputs, outputs):
     args = random_layer(inputs, outputs)
-    return {"jacfwd": median_ms(lambda: jacfwd(layer, argnums=2)(*args)),
-            "jacrev": median_ms(lambda: jacrev(layer, argnums=2)(*args))}
+    return {
+        "jacfwd": median_ms(lambda: jacfwd(layer, argnums=2)(*args)),
+        "jacrev": median_ms(lambda: jacrev(layer, argnums=2)(*args)),
+    }
 
 
 for inputs, outputs in [(32, 2048), (2048, 32)]:
@@ -170,16 +191,20 @@ for inputs, outputs in [(32, 2048), (2048, 32)]:
 
 tall = time_both_modes(inputs=32, outputs=2048)
 wide = time_both_modes(inputs=2048, outputs=32)
-print(f"tall (32 in, 2048 out): jacfwd {tall['jacfwd']:.2f} ms, jacrev {tall['jacrev']:.2f} ms "
-      f"-> jacfwd is {tall['jacrev'] / tall['jacfwd']:.1f}x faster")
-print(f"wide (2048 in, 32 out): jacfwd {wide['jacfwd']:.2f} ms, jacrev {wide['jacrev']:.2f} ms "
-      f"-> jacrev is {wide['jacfwd'] / wide['jacrev']:.1f}x faster")
+print(
+    f"tall (32 in, 2048 out): jacfwd {tall['jacfwd']:.2f} ms, jacrev {tall['jacrev']:.2f} ms "
+    f"-> jacfwd is {tall['jacrev'] / tall['jacfwd']:.1f}x faster"
+)
+print(
+    f"wide (2048 in, 32 out): jacfwd {wide['jacfwd']:.2f} ms, jacrev {wide['jacrev']:.2f} ms "
+    f"-> jacrev is {wide['jacfwd'] / wide['jacrev']:.1f}x faster"
+)
 
 # %%
 # Where is the crossover?
 # -----------------------
 # Published tutorials stop at those two shapes. Here we sweep the shape instead: the Jacobian
-# keeps :math:`2^{16}` entries while its aspect ratio (outputs / inputs) runs from 1/64 to 64,
+# keeps 2¹⁶ entries while its aspect ratio (outputs / inputs) runs from 1/64 to 64,
 # and we plot how much slower ``jacfwd`` is than ``jacrev``. Where the curve crosses 1 the two
 # engines tie. In theory that is a square Jacobian; in practice each engine has its own
 # per-pass cost, and the crossover lands wherever this hardware puts it.
@@ -190,26 +215,39 @@ for inputs in input_sizes:
     times = time_both_modes(inputs, outputs)
     aspect_ratios.append(outputs / inputs)
     fwd_over_rev.append(times["jacfwd"] / times["jacrev"])
-    print(f"{inputs:5d} in, {outputs:5d} out: jacfwd / jacrev time = {fwd_over_rev[-1]:.2f}")
+    print(
+        f"{inputs:5d} in, {outputs:5d} out: jacfwd / jacrev time = {fwd_over_rev[-1]:.2f}"
+    )
 
 # %%
 # The crossover, by log-linear interpolation between the two sweep points around it:
-crossing = next((i for i in range(len(fwd_over_rev) - 1)
-                 if (fwd_over_rev[i] - 1) * (fwd_over_rev[i + 1] - 1) <= 0), None)
+crossing = next(
+    (
+        i
+        for i in range(len(fwd_over_rev) - 1)
+        if (fwd_over_rev[i] - 1) * (fwd_over_rev[i + 1] - 1) <= 0
+    ),
+    None,
+)
 if crossing is None:
     crossover = None
     print("no crossover inside the sweep: one engine wins at every shape here")
 else:
-    lo, hi = torch.tensor(fwd_over_rev[crossing:crossing + 2]).log()
+    lo, hi = torch.tensor(fwd_over_rev[crossing : crossing + 2]).log()
     fraction = (0 - lo) / (hi - lo)
-    crossover = aspect_ratios[crossing] * (aspect_ratios[crossing + 1] / aspect_ratios[crossing]) ** fraction.item()
+    crossover = (
+        aspect_ratios[crossing]
+        * (aspect_ratios[crossing + 1] / aspect_ratios[crossing]) ** fraction.item()
+    )
     print(f"jacfwd and jacrev tie at about {crossover:.2g} outputs per input")
 
 fig, ax = plt.subplots(figsize=(7, 3.8), layout="constrained")
 ax.loglog(aspect_ratios, fwd_over_rev, "o-", color="#1b9e77", base=2)
 ax.axhline(1, color="#888888", linestyle="--")
 if crossover is not None:
-    ax.axvline(crossover, color="#d95f02", linestyle=":", label=f"crossover ≈ {crossover:.2g}")
+    ax.axvline(
+        crossover, color="#d95f02", linestyle=":", label=f"crossover ≈ {crossover:.2g}"
+    )
     ax.legend(loc="upper left")
 ax.set_xlabel("Jacobian aspect ratio: outputs / inputs (2**16 entries)")
 ax.set_ylabel("time(jacfwd) / time(jacrev)")
@@ -226,11 +264,13 @@ plt.show()
 # maps many inputs to few outputs, and forward mode outside, where the inner Jacobian is tall.
 # We compare it with the other orders for a layer with 512 inputs and 32 outputs, whose Hessian
 # has shape (32, 512, 512). The exact Hessian is
-# :math:`\partial^2 f_i / \partial x_k \partial x_l = -2 f_i (1 - f_i^2) W_{ik} W_{il}`,
+# ``∂²f_i/∂x_k∂x_l = −2 f_i (1 − f_i²) W_ik W_il``,
 # evaluated in float64 as the reference.
 hess_weight, hess_bias, hess_x = random_layer(inputs=512, outputs=32)
 y64 = layer(hess_weight.double(), hess_bias.double(), hess_x.double())
-hessian_reference = torch.einsum("i,ik,il->ikl", -2 * y64 * (1 - y64**2), hess_weight.double(), hess_weight.double())
+hessian_reference = torch.einsum(
+    "i,ik,il->ikl", -2 * y64 * (1 - y64**2), hess_weight.double(), hess_weight.double()
+)
 
 hessian_methods = {
     "hessian = jacfwd(jacrev)": hessian(layer, argnums=2),
@@ -246,10 +286,16 @@ hessian_methods = {
 hessian_times_ms = {}
 for method, hessian_fn in hessian_methods.items():
     result = hessian_fn(hess_weight, hess_bias, hess_x)
-    error = ((result.double() - hessian_reference).norm() / hessian_reference.norm()).item()
+    error = (
+        (result.double() - hessian_reference).norm() / hessian_reference.norm()
+    ).item()
     assert result.shape == (32, 512, 512) and error < 1e-5, (method, error)
-    hessian_times_ms[method] = median_ms(lambda: hessian_fn(hess_weight, hess_bias, hess_x))
-    print(f"{method:25s} relative error {error:.1e}   {hessian_times_ms[method]:7.2f} ms")
+    hessian_times_ms[method] = median_ms(
+        partial(hessian_fn, hess_weight, hess_bias, hess_x)
+    )
+    print(
+        f"{method:25s} relative error {error:.1e}   {hessian_times_ms[method]:7.2f} ms"
+    )
 
 fastest = min(hessian_times_ms, key=hessian_times_ms.get)
 for method, ms in hessian_times_ms.items():
@@ -258,7 +304,9 @@ for method, ms in hessian_times_ms.items():
 # %%
 fig, ax = plt.subplots(figsize=(7, 2.8), layout="constrained")
 bars = ax.barh(list(hessian_times_ms), list(hessian_times_ms.values()), color="#7570b3")
-ax.bar_label(bars, labels=[f"{ms:.1f} ms" for ms in hessian_times_ms.values()], padding=4)
+ax.bar_label(
+    bars, labels=[f"{ms:.1f} ms" for ms in hessian_times_ms.values()], padding=4
+)
 ax.invert_yaxis()
 ax.set_xlim(0, max(hessian_times_ms.values()) * 1.3)
 ax.set_xlabel("median time (ms)")

@@ -41,7 +41,11 @@ def describe_hardware():
         cpu = platform.processor() or platform.machine()
         if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
             with open("/proc/cpuinfo") as cpuinfo:
-                models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+                models = [
+                    line.split(":", 1)[1].strip()
+                    for line in cpuinfo
+                    if line.startswith("model name")
+                ]
             cpu = models[0] if models else cpu
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
@@ -89,7 +93,9 @@ print(f"batch of {batch_size} images, {num_params:,} parameters")
 # summed away inside the backward pass.
 parameters = dict(model.named_parameters())
 batch_loss = F.cross_entropy(model(images), targets)
-mean_grads = dict(zip(parameters, torch.autograd.grad(batch_loss, list(parameters.values()))))
+mean_grads = dict(
+    zip(parameters, torch.autograd.grad(batch_loss, list(parameters.values())))
+)
 print("mean gradient of conv1.weight:", tuple(mean_grads["conv1.weight"].shape))
 
 # %%
@@ -138,8 +144,13 @@ def sample_loss(params, buffers, image, target):
 # that over the batch: ``in_dims=(None, None, 0, 0)`` says that parameters and buffers are
 # shared by all samples, while images and targets are split along their first dimension.
 per_sample_grad_fn = vmap(grad(sample_loss), in_dims=(None, None, 0, 0))
-per_sample_grads = per_sample_grad_fn(detached_params, detached_buffers, images, targets)
-print("vmap per-sample gradients of conv1.weight:", tuple(per_sample_grads["conv1.weight"].shape))
+per_sample_grads = per_sample_grad_fn(
+    detached_params, detached_buffers, images, targets
+)
+print(
+    "vmap per-sample gradients of conv1.weight:",
+    tuple(per_sample_grads["conv1.weight"].shape),
+)
 
 # %%
 # Checking against a float64 reference
@@ -166,12 +177,16 @@ images64 = images.double()
 reference_grads = loop_per_sample_grads(model64, images64, targets)
 params64 = {name: p.detach() for name, p in model64.named_parameters()}
 vmap_grads64 = per_sample_grad_fn(params64, {}, images64, targets)
-batch_grads64 = torch.autograd.grad(F.cross_entropy(model64(images64), targets), list(model64.parameters()))
+batch_grads64 = torch.autograd.grad(
+    F.cross_entropy(model64(images64), targets), list(model64.parameters())
+)
 mean_of_reference = {name: g.mean(dim=0) for name, g in reference_grads.items()}
 
 exact_errors = {
     "vmap vs loop (float64)": relative_error(vmap_grads64, reference_grads),
-    "mean of per-sample vs batched (float64)": relative_error(dict(zip(params64, batch_grads64)), mean_of_reference),
+    "mean of per-sample vs batched (float64)": relative_error(
+        dict(zip(params64, batch_grads64)), mean_of_reference
+    ),
 }
 for what, error in exact_errors.items():
     print(f"{what}: relative error {error:.1e}")
@@ -203,7 +218,9 @@ for what, error in float32_errors.items():
 
 def median_ms(fn, min_run_time=1.0):
     """Median time of ``fn()`` in milliseconds, using all of torch's threads."""
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    timer = benchmark.Timer(
+        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+    )
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
@@ -214,26 +231,36 @@ def batched_backward():
 
 timings_ms = {
     "batched backward\n(one mean gradient)": median_ms(batched_backward),
-    "loop over samples": median_ms(lambda: loop_per_sample_grads(model, images, targets)),
-    "vmap(grad)": median_ms(lambda: per_sample_grad_fn(detached_params, detached_buffers, images, targets)),
+    "loop over samples": median_ms(
+        lambda: loop_per_sample_grads(model, images, targets)
+    ),
+    "vmap(grad)": median_ms(
+        lambda: per_sample_grad_fn(detached_params, detached_buffers, images, targets)
+    ),
 }
 batched_ms, loop_ms, vmap_ms = timings_ms.values()
 print(f"batched backward {batched_ms:8.1f} ms")
 print(f"loop             {loop_ms:8.1f} ms")
 print(f"vmap(grad)       {vmap_ms:8.1f} ms")
-print(f"vmap is {loop_ms / vmap_ms:.1f}x faster than the loop, "
-      f"and {vmap_ms / batched_ms:.1f}x slower than the batched backward")
+print(
+    f"vmap is {loop_ms / vmap_ms:.1f}x faster than the loop, "
+    f"and {vmap_ms / batched_ms:.1f}x slower than the batched backward"
+)
 
 # %%
 # The figure shows the same three medians. The ratios are from this run, on this page's
 # hardware.
 fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
-bars = ax.barh(list(timings_ms), list(timings_ms.values()), color=["#888888", "#d95f02", "#1b9e77"])
+bars = ax.barh(
+    list(timings_ms), list(timings_ms.values()), color=["#888888", "#d95f02", "#1b9e77"]
+)
 ax.bar_label(bars, labels=[f"{t:.1f} ms" for t in timings_ms.values()], padding=4)
 ax.invert_yaxis()
 ax.set_xlabel("median time per batch of 64 (ms)")
-ax.set_title(f"Per-sample gradients on {device.type.upper()}: "
-             f"vmap is {loop_ms / vmap_ms:.1f}x faster than the loop")
+ax.set_title(
+    f"Per-sample gradients on {device.type.upper()}: "
+    f"vmap is {loop_ms / vmap_ms:.1f}x faster than the loop"
+)
 ax.set_xlim(0, max(timings_ms.values()) * 1.25)
 plt.show()
 
@@ -252,13 +279,23 @@ plt.show()
 # -------------------------
 # One common use: differentially private SGD clips each sample's gradient to a maximum norm
 # before averaging. The norms below come straight from the per-sample gradients.
-per_sample_norms = torch.stack(
-    [g.flatten(start_dim=1).square().sum(dim=1) for g in per_sample_grads.values()]
-).sum(dim=0).sqrt()
-reference_norms = torch.stack(
-    [g.flatten(start_dim=1).square().sum(dim=1) for g in reference_grads.values()]
-).sum(dim=0).sqrt()
-torch.testing.assert_close(per_sample_norms.double(), reference_norms, rtol=1e-2, atol=0)
+per_sample_norms = (
+    torch.stack(
+        [g.flatten(start_dim=1).square().sum(dim=1) for g in per_sample_grads.values()]
+    )
+    .sum(dim=0)
+    .sqrt()
+)
+reference_norms = (
+    torch.stack(
+        [g.flatten(start_dim=1).square().sum(dim=1) for g in reference_grads.values()]
+    )
+    .sum(dim=0)
+    .sqrt()
+)
+torch.testing.assert_close(
+    per_sample_norms.double(), reference_norms, rtol=1e-2, atol=0
+)
 
 fig, ax = plt.subplots(figsize=(7, 3), layout="constrained")
 ax.hist(per_sample_norms.cpu().numpy(), bins=16, color="#1b9e77", edgecolor="black")
@@ -316,7 +353,9 @@ assert (masks == masks[0]).all()
 # ``track_running_stats=False``, call :func:`torch.func.replace_all_batch_norm_modules_`, or use
 # ``GroupNorm``, which normalises each sample on its own.
 batch_norm = nn.BatchNorm1d(3).to(device)
-groups_of_samples = torch.randn(4, 2, 3, device=device)  # vmap over 4 groups of 2 samples
+groups_of_samples = torch.randn(
+    4, 2, 3, device=device
+)  # vmap over 4 groups of 2 samples
 print(error_message(lambda: vmap(batch_norm)(groups_of_samples)))
 batch_norm.eval()
 assert vmap(batch_norm)(groups_of_samples).shape == (4, 2, 3)

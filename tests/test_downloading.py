@@ -1,0 +1,136 @@
+"""What a reader downloads from the built site: notebooks, scripts and zips, run for real."""
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import nbformat
+import pytest
+from bs4 import BeautifulSoup
+from conftest import EXAMPLES, TEST_REPOSITORY, copy_sources, make
+from nbclient import NotebookClient
+
+CELL_TIMEOUT_S = 300
+
+
+def downloaded(site, name):
+    """The one file called `name` among the built site's downloads."""
+    matches = list((site.html / "_downloads").rglob(name))
+    assert len(matches) == 1, f"expected one {name} in _downloads, found {matches}"
+    return matches[0]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(site, example, tmp_path):
+    notebook = nbformat.read(downloaded(site, f"{example.stem}.ipynb"), as_version=4)
+    client = NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # raises CellExecutionError on the first error cell
+    errors = [
+        out
+        for cell in notebook.cells
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "error"
+    ]
+    assert not errors
+    printed = "".join(
+        out.get("text", "")
+        for cell in notebook.cells
+        for out in cell.get("outputs", [])
+    )
+    assert "torch " in printed and "threads" in printed, (
+        "the notebook did not print its hardware"
+    )
+    figures = [
+        out
+        for cell in notebook.cells
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
+    assert figures, "the notebook drew no figure"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_script_runs_with_plain_python(site, example, tmp_path):
+    script = downloaded(site, f"{example.stem}.py")
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "threads" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["python", "jupyter"])
+def test_zip_of_all_examples_holds_every_example(site, kind):
+    suffix = {"python": ".py", "jupyter": ".ipynb"}[kind]
+    archive = downloaded(site, f"auto_examples_{kind}.zip")
+    with zipfile.ZipFile(archive) as zipped:
+        names = sorted(
+            name.rsplit("/", 1)[-1]
+            for name in zipped.namelist()
+            if name.endswith(suffix)
+        )
+    assert names == sorted(f"{example.stem}{suffix}" for example in EXAMPLES)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_buttons_under_the_title_run_in_colab_and_download(site, example):
+    page = BeautifulSoup(site.page(example).read_text(encoding="utf-8"), "html.parser")
+    buttons = page.select_one("p.example-buttons")
+    assert buttons is not None, f"{example}: no buttons"
+    title = page.select_one("h1")
+    assert title.find_next("p") is buttons, (
+        "the buttons are not the first thing under the title"
+    )
+    links = {a.get_text(" ", strip=True): a["href"] for a in buttons.select("a")}
+    assert list(links) == [
+        "Run in Google Colab",
+        "Download notebook",
+        "Download Python source",
+    ]
+
+    colab = re.fullmatch(
+        rf"https://colab\.research\.google\.com/github/{re.escape(TEST_REPOSITORY)}"
+        rf"/blob/gh-pages/(_downloads/[0-9a-f]{{32}}/{example.stem}\.ipynb)",
+        links["Run in Google Colab"],
+    )
+    assert colab, links["Run in Google Colab"]
+    assert (site.html / colab.group(1)).is_file(), (
+        "Colab would open a notebook the site lacks"
+    )
+    for text, suffix in [
+        ("Download notebook", ".ipynb"),
+        ("Download Python source", ".py"),
+    ]:
+        target = (site.page(example).parent / links[text]).resolve()
+        assert target.is_file() and target.name == example.stem + suffix
+
+
+def test_without_a_repository_the_colab_button_is_left_out_quietly(tmp_path):
+    tree = copy_sources(tmp_path)
+    result = make(tree, "html-noplot", repository="")
+    assert result.returncode == 0, (result.stdout + result.stderr)[
+        -3000:
+    ]  # -W: no warning
+    for example in EXAMPLES:
+        html = (
+            tree / "_build/html/auto_examples" / example.with_suffix(".html")
+        ).read_text()
+        page = BeautifulSoup(html, "html.parser")
+        buttons = [
+            a.get_text(" ", strip=True) for a in page.select("p.example-buttons a")
+        ]
+        assert buttons == ["Download notebook", "Download Python source"], buttons
+        assert "colab.research.google.com" not in html
