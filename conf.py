@@ -26,7 +26,10 @@ exclude_patterns = [
 
 # "Run in Google Colab" opens the notebook from the branch that GitHub Pages serves. The
 # repository (owner/name) comes from GitHub Actions; where it is empty the button is left out.
-colab_notebooks = {"repository": os.environ.get("GITHUB_REPOSITORY", ""), "branch": "gh-pages"}
+colab_notebooks = {
+    "repository": os.environ.get("GITHUB_REPOSITORY", ""),
+    "branch": "gh-pages",
+}
 
 html_theme = "furo"
 html_static_path = ["docs/_static"]  # relative to conf.py

@@ -114,7 +114,9 @@ def add_example_buttons(app, docname, source):
     text, notes = _GO_TO_THE_END.subn("", source[0])
     title = _TITLE.search(text)
     if notes != 1 or title is None:
-        raise ExtensionError(f"{docname}: sphinx-gallery's page layout changed; buttons not added")
+        raise ExtensionError(
+            f"{docname}: sphinx-gallery's page layout changed; buttons not added"
+        )
     buttons = (
         "\n.. rst-class:: example-buttons\n\n"
         f":colab:`{name}.ipynb` :download:`Download notebook <{name}.ipynb>` "
@@ -127,7 +129,9 @@ def colab_role(name, rawtext, text, lineno, inliner, options=None, content=None)
     """``:colab:`plot_x.ipynb``` -> a "Run in Google Colab" link, or nothing if no repository."""
     if not inliner.document.settings.env.config.colab_notebooks.get("repository"):
         return [], []  # no published notebooks to point at: leave the button out
-    link = nodes.reference(rawtext, "Run in Google Colab", refuri="#", classes=["colab-button"])
+    link = nodes.reference(
+        rawtext, "Run in Google Colab", refuri="#", classes=["colab-button"]
+    )
     link["colab_notebook"] = text
     return [link], []
 
@@ -135,7 +139,9 @@ def colab_role(name, rawtext, text, lineno, inliner, options=None, content=None)
 def fill_colab_links(app, doctree, docname):
     """Point each Colab link at the notebook's path in the published site's branch."""
     published = {
-        node["reftarget"]: node["filename"]  # e.g. "3f2a.../plot_x.ipynb", under _downloads/
+        node["reftarget"]: node[
+            "filename"
+        ]  # e.g. "3f2a.../plot_x.ipynb", under _downloads/
         for node in doctree.findall(addnodes.download_reference)
         if "filename" in node
     }
@@ -143,7 +149,9 @@ def fill_colab_links(app, doctree, docname):
     for link in doctree.findall(nodes.reference):
         if "colab_notebook" in link:
             if link["colab_notebook"] not in published:
-                raise ExtensionError(f"{docname}: no download of {link['colab_notebook']}")
+                raise ExtensionError(
+                    f"{docname}: no download of {link['colab_notebook']}"
+                )
             link["refuri"] = (
                 f"https://colab.research.google.com/github/{where['repository']}"
                 f"/blob/{where['branch']}/_downloads/{published[link['colab_notebook']]}"
@@ -151,7 +159,9 @@ def fill_colab_links(app, doctree, docname):
 
 
 def setup(app):
-    app.add_config_value("colab_notebooks", {"repository": "", "branch": "gh-pages"}, "html")
+    app.add_config_value(
+        "colab_notebooks", {"repository": "", "branch": "gh-pages"}, "html"
+    )
     app.add_role("colab", colab_role)
     app.connect("source-read", strip_cdn_assets)
     app.connect("source-read", add_example_buttons)
