@@ -40,8 +40,8 @@ html_favicon = (
 html_show_sourcelink = (
     False  # readers want the example downloads, not the generated reST
 )
-pygments_style = "friendly"
-pygments_dark_style = "monokai"
+pygments_style = "a11y-light"  # WCAG AA contrast for code
+pygments_dark_style = "a11y-dark"
 
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 _only_example = os.environ.get("GALLERY_EXAMPLE", "").removesuffix(".py")

@@ -158,6 +158,30 @@ def fill_colab_links(app, doctree, docname):
             )
 
 
+# sphinx-gallery leaves the thumbnails' alt text empty. Each thumbnail shows the example's first
+# figure, so it gets that figure's alt text, which describes what the figure shows.
+_THUMBNAIL = re.compile(
+    r"(\.\. image:: /auto_examples/images/thumb/sphx_glr_(\w+)_thumb\.(?:png|svg)\n +:alt:)[^\n]*"
+)
+_FIGURE_ALT = re.compile(r"^ +:alt: (.+)$", flags=re.MULTILINE)
+
+
+def describe_thumbnails(app, docname, source):
+    if docname != "auto_examples/index":
+        return
+
+    def with_alt(match):
+        example_page = Path(app.srcdir) / "auto_examples" / f"{match.group(2)}.rst"
+        first_figure = _FIGURE_ALT.search(example_page.read_text(encoding="utf-8"))
+        if first_figure is None:
+            raise ExtensionError(
+                f"{example_page.name}: no figure to describe its thumbnail"
+            )
+        return f"{match.group(1)} {first_figure.group(1)}"
+
+    source[0] = _THUMBNAIL.sub(with_alt, source[0])
+
+
 def setup(app):
     app.add_config_value(
         "colab_notebooks", {"repository": "", "branch": "gh-pages"}, "html"
@@ -165,5 +189,6 @@ def setup(app):
     app.add_role("colab", colab_role)
     app.connect("source-read", strip_cdn_assets)
     app.connect("source-read", add_example_buttons)
+    app.connect("source-read", describe_thumbnails)
     app.connect("doctree-resolved", fill_colab_links)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -16,6 +16,8 @@ silently returns the wrong answer. Then it times ``vmap``, the trick and a plain
 # seed the generator.
 import os
 import platform
+import re
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -32,15 +34,13 @@ def describe_hardware():
     if device.type == "cuda":
         name = f"GPU: {torch.cuda.get_device_name(device)}"
     else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
-            with open("/proc/cpuinfo") as cpuinfo:
-                models = [
-                    line.split(":", 1)[1].strip()
-                    for line in cpuinfo
-                    if line.startswith("model name")
-                ]
-            cpu = models[0] if models else cpu
+        cpuinfo = Path("/proc/cpuinfo")  # Linux names the CPU model here
+        model = (
+            re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+            if cpuinfo.exists()
+            else None
+        )
+        cpu = model.group(1) if model else (platform.processor() or platform.machine())
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 

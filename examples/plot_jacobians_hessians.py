@@ -5,8 +5,8 @@ Jacobians and Hessians: ``jacrev``, ``jacfwd`` and ``hessian``
 A Jacobian collects the derivative of every output with respect to every input. Autograd's
 ``backward`` gives one row of it per pass (a vector-Jacobian product), so the classic recipe
 loops over rows. ``torch.func`` vectorises that loop with ``vmap``, and offers two engines:
-reverse mode (``jacrev``, one pass per *output*) and forward mode (``jacfwd``, one pass per
-*input*). On this page you will compute a Jacobian three ways and check each against the
+reverse mode, ``jacrev``, with one pass per output, and forward mode, ``jacfwd``, with one pass
+per input. On this page you will compute a Jacobian three ways and check each against the
 formula, learn which engine wins for tall and for wide Jacobians, find where they cross over
 on the machine that built the page, and compute Hessians by composing the two.
 """
@@ -18,7 +18,9 @@ on the machine that built the page, and compute Hessians by composing the two.
 # and seed the generator so every run sees the same weights and inputs.
 import os
 import platform
+import re
 from functools import partial
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -35,15 +37,13 @@ def describe_hardware():
     if device.type == "cuda":
         name = f"GPU: {torch.cuda.get_device_name(device)}"
     else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
-            with open("/proc/cpuinfo") as cpuinfo:
-                models = [
-                    line.split(":", 1)[1].strip()
-                    for line in cpuinfo
-                    if line.startswith("model name")
-                ]
-            cpu = models[0] if models else cpu
+        cpuinfo = Path("/proc/cpuinfo")  # Linux names the CPU model here
+        model = (
+            re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+            if cpuinfo.exists()
+            else None
+        )
+        cpu = model.group(1) if model else (platform.processor() or platform.machine())
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
@@ -251,7 +251,9 @@ if crossover is not None:
     ax.legend(loc="upper left")
 ax.set_xlabel("Jacobian aspect ratio: outputs / inputs (2**16 entries)")
 ax.set_ylabel("time(jacfwd) / time(jacrev)")
-ax.set_title(f"Above 1 jacrev wins, below 1 jacfwd wins ({device.type.upper()})")
+ax.set_title(
+    f"jacfwd vs jacrev time by Jacobian shape ({device.type.upper()}): above 1, jacrev wins"
+)
 ax.text(aspect_ratios[0], 1.05, "jacrev faster ↑", color="#555555", va="bottom")
 ax.text(aspect_ratios[0], 0.95, "jacfwd faster ↓", color="#555555", va="top")
 plt.show()

@@ -18,7 +18,9 @@ much memory the result needs and where it stops fitting.
 # seed the generator.
 import os
 import platform
+import re
 from functools import partial
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -35,15 +37,13 @@ def describe_hardware():
     if device.type == "cuda":
         name = f"GPU: {torch.cuda.get_device_name(device)}"
     else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):  # Linux names the model here
-            with open("/proc/cpuinfo") as cpuinfo:
-                models = [
-                    line.split(":", 1)[1].strip()
-                    for line in cpuinfo
-                    if line.startswith("model name")
-                ]
-            cpu = models[0] if models else cpu
+        cpuinfo = Path("/proc/cpuinfo")  # Linux names the CPU model here
+        model = (
+            re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+            if cpuinfo.exists()
+            else None
+        )
+        cpu = model.group(1) if model else (platform.processor() or platform.machine())
         name = f"CPU: {cpu}, {os.cpu_count()} cores"
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 

@@ -1,0 +1,261 @@
+"""The built site in a real browser: headless Chromium (the system's), driven by Playwright.
+
+The site is served on 127.0.0.1 on an ephemeral port. Every page load records every request:
+anything that fails, anything that goes to another host, and any console error fails the test.
+Screenshots of both themes land in test-artifacts/ (git-ignored).
+"""
+
+import functools
+import io
+import json
+import mimetypes
+import shutil
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from axe_playwright_python.sync_playwright import Axe
+from conftest import EXAMPLES, REPO
+from PIL import Image
+from playwright.sync_api import sync_playwright
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# Flags for a headless, offline browser: no first-run setup, no background calls home.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = REPO / "test-artifacts"
+PHONE = {"width": 390, "height": 844}
+CONTENT_TYPES = {".ipynb": "application/x-ipynb+json", ".py": "text/x-python"}
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    extensions_map = {**SimpleHTTPRequestHandler.extensions_map, **CONTENT_TYPES}
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url(site):
+    handler = functools.partial(QuietHandler, directory=str(site.html))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: an ephemeral port
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install it (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+class Visit:
+    """One page in a fresh browser context, with every request and console error recorded."""
+
+    def __init__(self, browser, base_url, path, viewport=None):
+        self.context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900})
+        self.page = self.context.new_page()
+        self.base_url = base_url
+        self.requests, self.problems = [], []
+        page = self.page
+        page.on("request", lambda request: self.requests.append(request.url))
+        page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url} {r.failure}"))
+        page.on("response", self._check_status)
+        page.on("console", self._check_console)
+        page.on("pageerror", lambda error: self.problems.append(f"page error: {error}"))
+        page.goto(base_url + path, wait_until="networkidle")
+        # Scroll to the end so that every image is requested, lazy or not.
+        page.evaluate("window.scrollTo(0, document.body.scrollHeight)")
+        page.wait_for_load_state("networkidle")
+
+    def _check_status(self, response):
+        if response.status >= 400:
+            self.problems.append(f"HTTP {response.status}: {response.url}")
+
+    def _check_console(self, message):
+        if message.type == "error":
+            self.problems.append(f"console error: {message.text}")
+
+    def assert_clean(self):
+        """No failed request, no console error, no request to another host."""
+        assert not self.problems, "\n".join(self.problems)
+        foreign = [url for url in self.requests if not url.startswith((self.base_url, "data:"))]
+        assert not foreign, f"requests to other hosts: {foreign}"
+        assert any(url.startswith(self.base_url) for url in self.requests)
+
+    def broken_images(self):
+        return self.page.evaluate(
+            "[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        )
+
+    def close(self):
+        self.context.close()
+
+
+@pytest.fixture
+def visit(browser, base_url):
+    visits = []
+
+    def open_page(path, viewport=None):
+        visits.append(Visit(browser, base_url, path, viewport))
+        return visits[-1]
+
+    yield open_page
+    for opened in visits:
+        opened.close()
+
+
+EXAMPLE_PAGES = [f"auto_examples/{e.with_suffix('.html')}" for e in EXAMPLES]
+PAGES = [
+    "index.html",
+    "auto_examples/index.html",
+    "reading-timings.html",
+    "sg_execution_times.html",
+    "search.html",
+    *EXAMPLE_PAGES,
+]
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_loads_cleanly_with_every_image_and_only_local_requests(visit, path):
+    page = visit(path)
+    page.assert_clean()
+    assert not page.broken_images()
+    missing_alt = page.page.evaluate(
+        "[...document.images].filter(i => !(i.alt || '').trim()).map(i => i.src)"
+    )
+    assert not missing_alt, f"images without alt text: {missing_alt}"
+
+
+def test_gallery_shows_one_thumbnail_per_example_each_linking_to_it(visit, base_url):
+    gallery = visit("auto_examples/index.html")
+    thumbnails = gallery.page.locator("div.sphx-glr-thumbcontainer")
+    assert thumbnails.count() == len(EXAMPLES)
+    targets = sorted(
+        thumbnails.nth(i).locator("a").first.evaluate("a => a.href")
+        for i in range(thumbnails.count())
+    )
+    assert targets == sorted(base_url + path for path in EXAMPLE_PAGES)
+    thumbnails.first.click()
+    gallery.page.wait_for_load_state("networkidle")
+    assert gallery.page.url == targets[0]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_PAGES)
+def test_example_page_shows_code_output_figure_time_and_downloads(visit, path):
+    example = visit(path)
+    page = example.page
+    assert page.locator("div.highlight-Python pre").count() >= 3
+    assert page.locator("div.sphx-glr-script-out pre").first.is_visible()
+    figures = page.locator("img.sphx-glr-single-img, img.sphx-glr-multi-img")
+    assert figures.count() >= 1 and figures.first.is_visible()
+    assert page.get_by_text("Total running time of the script").is_visible()
+
+    buttons = page.locator("p.example-buttons a")
+    hrefs = {buttons.nth(i).inner_text(): buttons.nth(i).get_attribute("href") for i in range(3)}
+    for label, suffix in [("Download notebook", ".ipynb"), ("Download Python source", ".py")]:
+        url = page.url.rsplit("/", 1)[0] + "/" + hrefs[label]
+        response = page.request.get(url)
+        assert response.status == 200, url
+        assert response.headers["content-type"].split(";")[0] == CONTENT_TYPES[suffix]
+        if suffix == ".ipynb":
+            notebook = json.loads(response.body())
+            assert notebook["nbformat"] == 4 and notebook["cells"]
+        else:
+            compile(response.text(), url, "exec")  # the script parses as Python
+    example.assert_clean()
+
+
+@pytest.mark.parametrize(
+    "query, expected",
+    [
+        ("vmap", {"plot_per_sample_grads", "plot_batch_jacobians_hessians"}),
+        ("jacrev", {"plot_jacobians_hessians", "plot_per_sample_param_jacobians"}),
+        ("hessian", {"plot_jacobians_hessians", "plot_batch_jacobians_hessians"}),
+    ],
+)
+def test_search_finds_the_examples(visit, query, expected):
+    search = visit(f"search.html?q={query}")
+    search.page.wait_for_selector("#search-results ul.search li", timeout=15_000)
+    hrefs = search.page.eval_on_selector_all(
+        "#search-results ul.search li a", "links => links.map(a => a.href)"
+    )
+    found = {href.rsplit("/", 1)[-1].split(".html")[0] for href in hrefs}
+    assert expected <= found, f"search for {query!r} found {sorted(found)}"
+    search.assert_clean()
+
+
+def set_theme(page, theme):
+    """Click furo's theme toggle until the page shows `theme` (it cycles auto/dark/light)."""
+    toggle = page.locator("button.theme-toggle:visible").first
+    for _ in range(3):
+        if page.evaluate("document.body.dataset.theme") == theme:
+            return
+        toggle.click()
+    assert page.evaluate("document.body.dataset.theme") == theme
+
+
+def contrast(png_bytes):
+    """Fractions of light (background) and dark (text, lines) pixels in a screenshot."""
+    pixels = np.asarray(Image.open(io.BytesIO(png_bytes)).convert("L"))
+    return float((pixels > 200).mean()), float((pixels < 90).mean())
+
+
+def test_theme_switch_works_and_figures_stay_legible_in_both(visit):
+    ARTIFACTS.mkdir(exist_ok=True)
+    example = visit(EXAMPLE_PAGES[0])
+    page = example.page
+    backgrounds = {}
+    for theme in ("light", "dark"):
+        set_theme(page, theme)
+        backgrounds[theme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        page.screenshot(path=ARTIFACTS / f"example-{theme}.png", full_page=True)
+        figure = page.locator("img.sphx-glr-single-img").first
+        figure.scroll_into_view_if_needed()
+        light, dark = contrast(figure.screenshot(path=ARTIFACTS / f"figure-{theme}.png"))
+        # A legible figure: a light background with dark text and lines on it.
+        assert light > 0.5 and dark > 0.002, f"{theme}: light {light:.3f}, dark {dark:.4f}"
+    assert backgrounds["light"] != backgrounds["dark"], "the theme switch changed nothing"
+    example.assert_clean()
+
+
+@pytest.mark.parametrize("path", EXAMPLE_PAGES)
+def test_phone_sized_viewport_never_scrolls_sideways(visit, path):
+    page = visit(path, viewport=PHONE).page
+    overflow = page.evaluate(
+        "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+    )
+    assert overflow <= 0, f"{path} is {overflow}px wider than a {PHONE['width']}px phone"
+
+
+@pytest.mark.parametrize("path", ["index.html", "auto_examples/index.html", EXAMPLE_PAGES[0]])
+def test_no_serious_accessibility_violations(visit, path):
+    page = visit(path).page
+    results = Axe().run(page)
+    serious = [
+        f"{v['id']} ({v['impact']}): {v['help']} - {[n['target'] for n in v['nodes']][:5]}"
+        for v in results.response["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]
+    assert not serious, "\n".join(serious)
+
+
+def test_notebook_content_type_is_registered_for_the_server():
+    assert mimetypes.guess_type("x.py")[0] in (None, CONTENT_TYPES[".py"])
+    assert QuietHandler.extensions_map[".ipynb"] == CONTENT_TYPES[".ipynb"]
