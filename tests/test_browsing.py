@@ -58,9 +58,13 @@ def base_url(site):
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).is_file():
-        pytest.fail(f"Chromium not found at {CHROMIUM}: install it (apt-get install chromium)")
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}: install it (apt-get install chromium)"
+        )
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+        )
         yield browser
         browser.close()
 
@@ -69,13 +73,18 @@ class Visit:
     """One page in a fresh browser context, with every request and console error recorded."""
 
     def __init__(self, browser, base_url, path, viewport=None):
-        self.context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900})
+        self.context = browser.new_context(
+            viewport=viewport or {"width": 1280, "height": 900}
+        )
         self.page = self.context.new_page()
         self.base_url = base_url
         self.requests, self.problems = [], []
         page = self.page
         page.on("request", lambda request: self.requests.append(request.url))
-        page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url} {r.failure}"))
+        page.on(
+            "requestfailed",
+            lambda r: self.problems.append(f"failed: {r.url} {r.failure}"),
+        )
         page.on("response", self._check_status)
         page.on("console", self._check_console)
         page.on("pageerror", lambda error: self.problems.append(f"page error: {error}"))
@@ -95,7 +104,9 @@ class Visit:
     def assert_clean(self):
         """No failed request, no console error, no request to another host."""
         assert not self.problems, "\n".join(self.problems)
-        foreign = [url for url in self.requests if not url.startswith((self.base_url, "data:"))]
+        foreign = [
+            url for url in self.requests if not url.startswith((self.base_url, "data:"))
+        ]
         assert not foreign, f"requests to other hosts: {foreign}"
         assert any(url.startswith(self.base_url) for url in self.requests)
 
@@ -168,8 +179,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(visit, path):
     assert page.get_by_text("Total running time of the script").is_visible()
 
     buttons = page.locator("p.example-buttons a")
-    hrefs = {buttons.nth(i).inner_text(): buttons.nth(i).get_attribute("href") for i in range(3)}
-    for label, suffix in [("Download notebook", ".ipynb"), ("Download Python source", ".py")]:
+    hrefs = {
+        buttons.nth(i).inner_text(): buttons.nth(i).get_attribute("href")
+        for i in range(3)
+    }
+    for label, suffix in [
+        ("Download notebook", ".ipynb"),
+        ("Download Python source", ".py"),
+    ]:
         url = page.url.rsplit("/", 1)[0] + "/" + hrefs[label]
         response = page.request.get(url)
         assert response.status == 200, url
@@ -224,14 +241,22 @@ def test_theme_switch_works_and_figures_stay_legible_in_both(visit):
     backgrounds = {}
     for theme in ("light", "dark"):
         set_theme(page, theme)
-        backgrounds[theme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        backgrounds[theme] = page.evaluate(
+            "getComputedStyle(document.body).backgroundColor"
+        )
         page.screenshot(path=ARTIFACTS / f"example-{theme}.png", full_page=True)
         figure = page.locator("img.sphx-glr-single-img").first
         figure.scroll_into_view_if_needed()
-        light, dark = contrast(figure.screenshot(path=ARTIFACTS / f"figure-{theme}.png"))
+        light, dark = contrast(
+            figure.screenshot(path=ARTIFACTS / f"figure-{theme}.png")
+        )
         # A legible figure: a light background with dark text and lines on it.
-        assert light > 0.5 and dark > 0.002, f"{theme}: light {light:.3f}, dark {dark:.4f}"
-    assert backgrounds["light"] != backgrounds["dark"], "the theme switch changed nothing"
+        assert light > 0.5 and dark > 0.002, (
+            f"{theme}: light {light:.3f}, dark {dark:.4f}"
+        )
+    assert backgrounds["light"] != backgrounds["dark"], (
+        "the theme switch changed nothing"
+    )
     example.assert_clean()
 
 
@@ -241,10 +266,14 @@ def test_phone_sized_viewport_never_scrolls_sideways(visit, path):
     overflow = page.evaluate(
         "document.documentElement.scrollWidth - document.documentElement.clientWidth"
     )
-    assert overflow <= 0, f"{path} is {overflow}px wider than a {PHONE['width']}px phone"
+    assert overflow <= 0, (
+        f"{path} is {overflow}px wider than a {PHONE['width']}px phone"
+    )
 
 
-@pytest.mark.parametrize("path", ["index.html", "auto_examples/index.html", EXAMPLE_PAGES[0]])
+@pytest.mark.parametrize(
+    "path", ["index.html", "auto_examples/index.html", EXAMPLE_PAGES[0]]
+)
 def test_no_serious_accessibility_violations(visit, path):
     page = visit(path).page
     results = Axe().run(page)
