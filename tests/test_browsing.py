@@ -9,6 +9,7 @@ import functools
 import io
 import json
 import mimetypes
+import os
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,9 @@ from conftest import EXAMPLES, REPO
 from PIL import Image
 from playwright.sync_api import sync_playwright
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The system's Chromium (Debian: apt-get install chromium); CHROMIUM=/path overrides it, as on
+# GitHub's Ubuntu runners, which ship Google Chrome instead.
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # Flags for a headless, offline browser: no first-run setup, no background calls home.
 CHROMIUM_ARGS = [
     "--no-sandbox",

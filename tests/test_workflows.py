@@ -1,0 +1,158 @@
+"""The CI that builds and publishes the site: .github/workflows, audited and checked."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
+PINNED = re.compile(
+    r"^\s*(?:-\s+)?uses:\s+[\w.-]+/[\w./-]+@[0-9a-f]{40}\s+#\s+v\d+\S*\s*$"
+)
+SELF_HOSTED = "self-hosted"
+
+
+def load(path):
+    workflow = yaml.safe_load(path.read_text())
+    workflow["on"] = workflow.pop(
+        True, workflow.get("on")
+    )  # YAML 1.1 reads `on:` as True
+    return workflow
+
+
+def triggers(workflow):
+    on = workflow["on"]
+    return {on} if isinstance(on, str) else set(on)
+
+
+def runs_on(job):
+    labels = job["runs-on"]
+    return [labels] if isinstance(labels, str) else labels
+
+
+def steps_text(job):
+    return [
+        (step.get("name", ""), step.get("run", ""), step.get("uses", ""))
+        for step in job["steps"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def workflows():
+    assert {p.name for p in WORKFLOWS} == {"pull-request.yml", "publish.yml"}
+    return {path.name: load(path) for path in WORKFLOWS}
+
+
+def test_zizmor_finds_nothing():
+    zizmor = Path(sys.executable).with_name("zizmor")
+    result = subprocess.run(
+        [
+            str(zizmor),
+            "--offline",
+            "--no-progress",
+            str(REPO / ".github" / "workflows"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No findings to report" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_every_action_is_pinned_to_a_commit_with_its_version(path):
+    uses = [
+        line
+        for line in path.read_text().splitlines()
+        if re.match(r"^\s*(-\s+)?uses:", line)
+    ]
+    assert uses
+    unpinned = [line.strip() for line in uses if not PINNED.match(line)]
+    assert not unpinned, f"not pinned to a full SHA with a version comment: {unpinned}"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_least_privilege_timeouts_and_no_secrets(path):
+    workflow = load(path)
+    assert workflow["permissions"] == {"contents": "read"}
+    assert "secrets." not in path.read_text()
+    for name, job in workflow["jobs"].items():
+        assert isinstance(job.get("timeout-minutes"), int), (
+            f"{name}: no timeout-minutes"
+        )
+        permissions = job.get("permissions")
+        assert isinstance(permissions, dict), f"{name}: no job-level permissions"
+        writes = {scope for scope, level in permissions.items() if level == "write"}
+        allowed = {
+            "deploy": {"pages", "id-token"},
+            "mirror-for-colab": {"contents"},
+        }.get(name, set())
+        assert writes == allowed, f"{name} may write {writes}, expected {allowed}"
+
+
+def test_pull_requests_build_and_test_on_a_hosted_cpu_runner(workflows):
+    workflow = workflows["pull-request.yml"]
+    assert triggers(workflow) == {"pull_request"}
+    (job,) = workflow["jobs"].values()
+    assert not any(SELF_HOSTED in label for label in runs_on(job))
+    runs = [run for _, run, _ in steps_text(job)]
+    assert "make test" in runs and "make html" in runs
+    upload = [
+        s
+        for s in job["steps"]
+        if s.get("uses", "").startswith("actions/upload-artifact@")
+    ]
+    assert upload and upload[0]["with"]["path"] == "_build/html"
+
+
+def test_pip_downloads_are_cached_by_requirements(workflows):
+    job = next(iter(workflows["pull-request.yml"]["jobs"].values()))
+    caches = [s for s in job["steps"] if s.get("uses", "").startswith("actions/cache@")]
+    assert caches, "no pip cache"
+    assert "pip" in caches[0]["with"]["path"]
+    assert "hashFiles('requirements.txt')" in caches[0]["with"]["key"]
+
+
+def test_no_pull_request_code_reaches_the_gpu_runner(workflows):
+    for name, workflow in workflows.items():
+        gpu_jobs = [j for j in workflow["jobs"].values() if SELF_HOSTED in runs_on(j)]
+        if gpu_jobs:
+            assert not triggers(workflow) & {"pull_request", "pull_request_target"}, (
+                name
+            )
+            assert triggers(workflow) <= {"push", "workflow_dispatch"}, name
+
+
+def test_main_builds_on_the_gpu_after_checking_for_one_then_deploys(workflows):
+    workflow = workflows["publish.yml"]
+    assert workflow["on"]["push"]["branches"] == ["main"]
+    assert "workflow_dispatch" in triggers(workflow)
+    assert workflow["concurrency"]["cancel-in-progress"] is False
+
+    build = workflow["jobs"]["build-on-gpu"]
+    assert runs_on(build)[0] == SELF_HOSTED and "gpu" in runs_on(build)
+    runs = [run for _, run, _ in steps_text(build)]
+    gpu_check = next(
+        i for i, run in enumerate(runs) if "torch.cuda.is_available()" in run
+    )
+    assert "sys.exit(" in runs[gpu_check], "the GPU check must fail the job"
+    assert gpu_check < runs.index("make html"), (
+        "the GPU check must come before the build"
+    )
+
+    uses = [step.get("uses", "").split("@")[0] for step in build["steps"]]
+    assert "actions/upload-pages-artifact" in uses
+    deploy = workflow["jobs"]["deploy"]
+    assert deploy["needs"] == "build-on-gpu"
+    deploy_uses = [step.get("uses", "").split("@")[0] for step in deploy["steps"]]
+    assert deploy_uses == ["actions/configure-pages", "actions/deploy-pages"]
+
+
+def test_the_readme_documents_the_gpu_runner_labels(workflows):
+    labels = runs_on(workflows["publish.yml"]["jobs"]["build-on-gpu"])
+    readme = (REPO / "README.md").read_text()
+    assert f"[{', '.join(labels)}]" in readme
