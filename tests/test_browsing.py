@@ -151,10 +151,16 @@ def test_page_loads_cleanly_with_every_image_and_only_local_requests(visit, path
     page = visit(path)
     page.assert_clean()
     assert not page.broken_images()
-    missing_alt = page.page.evaluate(
-        "[...document.images].filter(i => !(i.alt || '').trim()).map(i => i.src)"
+    alt_texts = page.page.evaluate(
+        "[...document.images].map(i => [i.src, i.alt || ''])"
     )
-    assert not missing_alt, f"images without alt text: {missing_alt}"
+    for (
+        src,
+        alt,
+    ) in alt_texts:  # alt text that says what the image shows, not a file name
+        assert len(alt.split()) >= 3 and not alt.endswith((".png", ".svg")), (src, alt)
+    favicon = page.page.eval_on_selector("link[rel~='icon']", "link => link.href")
+    assert page.page.request.get(favicon).status == 200, f"favicon {favicon} is missing"
 
 
 def test_gallery_shows_one_thumbnail_per_example_each_linking_to_it(visit, base_url):

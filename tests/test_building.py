@@ -4,6 +4,7 @@ import re
 
 import nbformat
 import pytest
+import torch
 from bs4 import BeautifulSoup
 from conftest import EXAMPLES, REPO, copy_sources, make
 
@@ -140,3 +141,30 @@ def test_a_sphinx_warning_fails_the_build_every_time(tmp_path):
 def test_examples_tests_and_docs_pass_the_linter():
     result = make(REPO, "lint")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
+    """The reset before each example restores torch's settings, the seeds and matplotlib."""
+    tree = copy_sources(tmp_path)
+    (tree / "examples" / "plot_zz_leak_a.py").write_text(
+        '"""\nLeaks state\n===========\n"""\n'
+        "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n\n"
+        "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)\n"
+        "torch.set_num_threads(1)\ntorch.manual_seed(1234)\n"
+        'matplotlib.rcParams["lines.linewidth"] = 9.0\nplt.plot([0, 1])\nplt.show()\n'
+    )
+    (tree / "examples" / "plot_zz_leak_b.py").write_text(
+        '"""\nFinds a fresh start\n===================\n"""\n'
+        "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n\n"
+        "assert torch.get_default_dtype() == torch.float32\n"
+        "assert torch.is_grad_enabled()\n"
+        f"assert torch.get_num_threads() == {torch.get_num_threads()}\n"
+        "first_draw = torch.rand(3)\n"
+        "torch.manual_seed(0)\nassert torch.equal(first_draw, torch.rand(3))\n"
+        'assert matplotlib.rcParams["lines.linewidth"] == 1.5\n'
+        "assert not plt.get_fignums()\nplt.plot([0, 1])\nplt.show()\n"
+    )
+    result = make(tree, "html", "EXAMPLE=plot_zz_leak")
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert "executed 2 out of 2 files" in log
