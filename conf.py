@@ -52,7 +52,7 @@ sphinx_gallery_conf = {
     "filename_pattern": re.escape(os.sep + _only_example)
     if _only_example
     else re.escape(os.sep) + "plot_",
-    "within_subsection_order": "FileNameSortKey",  # reading order is set by the index page
+    "within_subsection_order": "gallery_support.ReadingOrder",  # the index page's order
     "download_all_examples": True,  # zips of every .py and every .ipynb
     "first_notebook_cell": gallery_support.notebook_install_cell(),  # installs torch where missing
     "reset_modules": (

@@ -168,3 +168,17 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert "executed 2 out of 2 files" in log
+
+
+def test_gallery_lists_examples_in_the_index_pages_reading_order(site):
+    index_order = re.findall(
+        r"auto_examples/(plot_\w+)\.html", (site.html / "index.html").read_text()
+    )
+    index_order = list(dict.fromkeys(index_order))
+    gallery = soup(site.html / "auto_examples" / "index.html")
+    gallery_order = [
+        a["href"].removesuffix(".html")
+        for a in gallery.select("div.sphx-glr-thumbcontainer a")
+    ]
+    assert gallery_order == index_order
+    assert sorted(gallery_order) == sorted(e.stem for e in EXAMPLES)
