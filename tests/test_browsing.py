@@ -167,14 +167,15 @@ def test_gallery_shows_one_thumbnail_per_example_each_linking_to_it(visit, base_
     gallery = visit("auto_examples/index.html")
     thumbnails = gallery.page.locator("div.sphx-glr-thumbcontainer")
     assert thumbnails.count() == len(EXAMPLES)
-    targets = sorted(
+    targets = [
         thumbnails.nth(i).locator("a").first.evaluate("a => a.href")
         for i in range(thumbnails.count())
-    )
-    assert targets == sorted(base_url + path for path in EXAMPLE_PAGES)
-    thumbnails.first.click()
+    ]
+    assert sorted(targets) == sorted(base_url + path for path in EXAMPLE_PAGES)
+    thumbnails.last.click()  # a click anywhere on the card follows its link
     gallery.page.wait_for_load_state("networkidle")
-    assert gallery.page.url == targets[0]
+    assert gallery.page.url == targets[-1]
+    gallery.assert_clean()
 
 
 @pytest.mark.parametrize("path", EXAMPLE_PAGES)
