@@ -109,6 +109,15 @@ def test_pull_requests_build_and_test_on_a_hosted_cpu_runner(workflows):
     assert upload and upload[0]["with"]["path"] == "_build/html"
 
 
+def test_the_cpu_runner_installs_the_cpu_build_of_torch(workflows):
+    job = next(iter(workflows["pull-request.yml"]["jobs"].values()))
+    assert job["env"]["PIP_EXTRA_INDEX_URL"].endswith("/whl/cpu")
+    assert (
+        "PIP_EXTRA_INDEX_URL"
+        not in (REPO / ".github/workflows/publish.yml").read_text()
+    )
+
+
 def test_pip_downloads_are_cached_by_requirements(workflows):
     job = next(iter(workflows["pull-request.yml"]["jobs"].values()))
     caches = [s for s in job["steps"] if s.get("uses", "").startswith("actions/cache@")]
