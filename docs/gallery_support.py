@@ -1,6 +1,7 @@
 """Logic behind conf.py: the reset between examples, the notebook's install cell, and the
 post-processing of generated pages. conf.py imports this module and stays declarative."""
 
+import hashlib
 import random
 import re
 from pathlib import Path
@@ -202,7 +203,36 @@ def describe_thumbnails(app, docname, source):
     source[0] = _THUMBNAIL.sub(with_alt, source[0])
 
 
+# API names in the prose (:func:`~torch.func.vmap`) link to PyTorch's own reference. Builds
+# are offline, so no intersphinx inventory is fetched: PyTorch documents each function on a
+# page of its own name, and the few modules we name are listed here.
+PYTORCH_DOCS = "https://docs.pytorch.org/docs/stable/"
+PYTORCH_MODULE_PAGES = {
+    "torch.func": "func.html",
+    "torch.utils.benchmark": "benchmark_utils.html",
+}
+
+
+def link_pytorch_api(app, env, node, contnode):
+    target = node.get("reftarget", "")
+    if node.get("refdomain") != "py" or not target.startswith("torch."):
+        return None
+    if node["reftype"] == "mod":
+        if target not in PYTORCH_MODULE_PAGES:
+            raise ExtensionError(f"no PyTorch page known for module {target}: add it")
+        uri = PYTORCH_DOCS + PYTORCH_MODULE_PAGES[target]
+    else:
+        uri = f"{PYTORCH_DOCS}generated/{target}.html#{target}"
+    return nodes.reference(
+        "", "", contnode, refuri=uri, reftitle=target, internal=False
+    )
+
+
 def setup(app):
+    # Sphinx re-reads every page when a config value changes, but not when this module does;
+    # its digest as a config value makes an edit here rebuild the pages it shapes.
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    app.add_config_value("gallery_support_digest", digest, "env")
     app.add_config_value(
         "colab_notebooks", {"repository": "", "branch": "gh-pages"}, "html"
     )
@@ -211,4 +241,5 @@ def setup(app):
     app.connect("source-read", add_example_buttons)
     app.connect("source-read", describe_thumbnails)
     app.connect("doctree-resolved", fill_colab_links)
+    app.connect("missing-reference", link_pytorch_api)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

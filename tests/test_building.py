@@ -182,3 +182,17 @@ def test_gallery_lists_examples_in_the_index_pages_reading_order(site):
     ]
     assert gallery_order == index_order
     assert sorted(gallery_order) == sorted(e.stem for e in EXAMPLES)
+
+
+def test_api_names_in_the_prose_link_to_the_pytorch_reference(site):
+    pages = [site.html / "index.html", *(site.page(example) for example in EXAMPLES)]
+    linked = 0
+    for path in pages:
+        for name in soup(path).select("code.xref.py"):
+            link = name.find_parent("a")
+            assert link is not None, f"{path.name}: {name.get_text()} links nowhere"
+            assert link["href"].startswith("https://docs.pytorch.org/docs/stable/"), (
+                link["href"]
+            )
+            linked += 1
+    assert linked >= 10
