@@ -15,8 +15,10 @@ copyright = "2026, " + author
 root_doc = "index"
 
 extensions = [
-    "sphinx_gallery.gen_gallery",  # runs examples/plot_*.py and renders them as pages
-    "gallery_support",  # strips third-party assets from the execution-times pages
+    # Runs examples/plot_*.py and renders them as pages.
+    "sphinx_gallery.gen_gallery",
+    # Example buttons, thumbnail alt text, PyTorch API links, no third-party assets.
+    "gallery_support",
 ]
 exclude_patterns = [
     "auto_examples/*.ipynb",
@@ -34,38 +36,41 @@ colab_notebooks = {
 html_theme = "furo"
 html_static_path = ["docs/_static"]  # relative to conf.py
 html_css_files = ["site.css"]
-html_favicon = (
-    "docs/_static/favicon.svg"  # a missing favicon is a failed request in the browser
-)
-html_show_sourcelink = (
-    False  # readers want the example downloads, not the generated reST
-)
-pygments_style = "a11y-light"  # WCAG AA contrast for code
+# A missing favicon is a failed request in the browser.
+html_favicon = "docs/_static/favicon.svg"
+# Readers want the example downloads, not the generated reST.
+html_show_sourcelink = False
+pygments_style = "a11y-light"  # WCAG AA contrast for code, in both themes
 pygments_dark_style = "a11y-dark"
 
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 _only_example = os.environ.get("GALLERY_EXAMPLE", "").removesuffix(".py")
+_run_pattern = re.escape(os.sep + (_only_example or "plot_"))
 
 sphinx_gallery_conf = {
-    "examples_dirs": "../examples",  # relative to docs/, the source folder
-    "gallery_dirs": "auto_examples",  # generated, git-ignored
-    "filename_pattern": re.escape(os.sep + _only_example)
-    if _only_example
-    else re.escape(os.sep) + "plot_",
-    "within_subsection_order": "gallery_support.ReadingOrder",  # the index page's order
-    "download_all_examples": True,  # zips of every .py and every .ipynb
-    "first_notebook_cell": gallery_support.notebook_install_cell(),  # installs torch where missing
-    "reset_modules": (
-        "matplotlib",
-        "gallery_support.reset_state",
-    ),  # no state leaks between examples
+    # Relative to docs/, the source folder; the gallery is generated and git-ignored.
+    "examples_dirs": "../examples",
+    "gallery_dirs": "auto_examples",
+    "filename_pattern": _run_pattern,
+    # The gallery follows the reading order of the index page.
+    "within_subsection_order": "gallery_support.ReadingOrder",
+    # Zips of every .py and every .ipynb.
+    "download_all_examples": True,
+    # Notebooks open with a cell that installs torch and matplotlib where they are missing.
+    "first_notebook_cell": gallery_support.notebook_install_cell(),
+    # Seeds, torch's global settings and matplotlib are reset before every example.
+    "reset_modules": ("matplotlib", "gallery_support.reset_state"),
     "reset_modules_order": "before",
-    "abort_on_example_error": False,  # run every example, then fail the build listing all failures
+    # Run every example, then fail the build and list every failure.
+    "abort_on_example_error": False,
     "only_warn_on_example_error": False,
-    "min_reported_time": 0,  # every page shows its running time
-    "write_computation_times": True,  # keep the execution-times table
-    "show_memory": gallery_support.memory_reporter(),  # CUDA peak memory on GPU builds
+    # Every page shows its running time; the execution-times table is kept.
+    "min_reported_time": 0,
+    "write_computation_times": True,
+    # CUDA peak memory on GPU builds, nothing on the CPU.
+    "show_memory": gallery_support.memory_reporter(),
     "remove_config_comments": True,
-    "image_srcset": ["2x"],  # sharp figures on high-density screens
+    # Sharp figures on high-density screens.
+    "image_srcset": ["2x"],
     "thumbnail_size": (400, 280),
 }

@@ -1,5 +1,9 @@
-"""Logic behind conf.py: the reset between examples, the notebook's install cell, and the
-post-processing of generated pages. conf.py imports this module and stays declarative."""
+"""Logic behind conf.py, which imports this module and stays declarative.
+
+Used by sphinx-gallery: the reset between examples, the reading order, the notebooks' install
+cell, CUDA peak memory. As a Sphinx extension: the buttons under each example's title, the
+thumbnails' alt text, links from API names to PyTorch's reference, and no third-party assets
+on the execution-times pages."""
 
 import hashlib
 import random
@@ -32,10 +36,9 @@ def reset_state(gallery_conf, fname):
     torch.set_grad_enabled(True)
     torch.set_num_threads(_DEFAULT_THREADS)
     torch.use_deterministic_algorithms(False)
-    torch.set_float32_matmul_precision(
-        "highest"
-    )  # PyTorch's default: no TF32 in matmuls
-    torch.backends.cudnn.allow_tf32 = True  # PyTorch's default for convolutions
+    # PyTorch's defaults: no TF32 in matrix products, TF32 allowed in cuDNN convolutions.
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
     plt.close("all")
     matplotlib.rcdefaults()
 
@@ -56,9 +59,8 @@ class ReadingOrder:
         rank = self.order.index(stem) if stem in self.order else len(self.order)
         return (rank, filename)
 
-    def __repr__(
-        self,
-    ):  # a stable repr, so Sphinx does not see a changed config every build
+    def __repr__(self):
+        # A stable repr, so that Sphinx does not see a changed config at every build.
         return "ReadingOrder"
 
 
@@ -113,9 +115,7 @@ def strip_cdn_assets(app, docname, source):
     if docname.endswith("sg_execution_times"):
         source[0] = _CDN_BLOCK.sub("\n", source[0])
         if "https://" in source[0]:
-            raise RuntimeError(
-                f"{docname}: could not remove the CDN assets sphinx-gallery adds"
-            )
+            raise ExtensionError(f"{docname}: CDN assets left after stripping them")
 
 
 # Example pages open with three buttons under the title, where a reader looks first: run in
