@@ -8,7 +8,6 @@ Screenshots of both themes land in test-artifacts/ (git-ignored).
 import functools
 import io
 import json
-import mimetypes
 import os
 import shutil
 import threading
@@ -293,8 +292,3 @@ def test_no_serious_accessibility_violations(visit, path):
         if v["impact"] in ("serious", "critical")
     ]
     assert not serious, "\n".join(serious)
-
-
-def test_notebook_content_type_is_registered_for_the_server():
-    assert mimetypes.guess_type("x.py")[0] in (None, CONTENT_TYPES[".py"])
-    assert QuietHandler.extensions_map[".ipynb"] == CONTENT_TYPES[".ipynb"]
