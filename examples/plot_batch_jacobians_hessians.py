@@ -4,9 +4,10 @@ Batch Jacobians and Hessians
 
 Models run on batches, and most of the time you want one Jacobian *per sample*: the derivative
 of each sample's output with respect to that sample's input. This page computes a batch of
-Jacobians and a batch of Hessians with ``vmap``, shows the older "sum over the batch" trick,
-states the one condition under which that trick is valid, and shows a function for which it
-silently returns the wrong answer. Then it times ``vmap``, the trick and a plain Python loop.
+Jacobians and a batch of Hessians with ``vmap``, shows the older "sum over the batch" trick and
+the exact condition under which it is valid, and shows a function for which both the trick and
+a careless ``vmap`` silently return the wrong answer. Then it times ``vmap``, the trick and a
+plain Python loop.
 """
 
 # %%
@@ -14,9 +15,11 @@ silently returns the wrong answer. Then it times ``vmap``, the trick and a plain
 # -------------------
 # We print the hardware, because the timings depend on it, pick the GPU when there is one, and
 # seed the generator.
+import ctypes
 import os
 import platform
 import re
+import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -47,13 +50,90 @@ def describe_hardware():
 
 print(describe_hardware())
 
+# One colour per method, the same on every page of this site: colour-blind-safe hues from
+# Okabe and Ito's palette (and Tol's wine). Black is kept for guides: thresholds, fits, markers.
+METHOD_COLORS = {
+    "loop": "#D55E00",
+    "vmap": "#009E73",
+    "batched": "#666666",
+    "jacrev": "#0072B2",
+    "jacfwd": "#E69F00",
+    "hessian": "#56B4E9",
+    "jacrev(jacfwd)": "#882255",
+    "sum trick": "#CC79A7",
+}
 
-def median_ms(fn, min_run_time=0.5):
-    """Median time of ``fn()`` in milliseconds, using all of torch's threads."""
-    timer = benchmark.Timer(
-        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
-    )
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+# %%
+# Pinning the memory allocator's policy
+# -------------------------------------
+# The full Jacobian of a batch below allocates tens of MB per call. On a CPU, glibc's
+# ``malloc`` by default returns such blocks to the kernel when they are freed, and decides when
+# to do so from the process's history, so the same call can be fast or slow depending on what
+# ran before. We ask glibc (through ``mallopt``) to keep freed memory for reuse, which makes the
+# timings reproducible; the per-sample-gradients page measures what fresh pages cost. Without glibc
+# the cell changes nothing and says so.
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
+
+
+def keep_freed_memory():
+    """Reuse freed memory instead of returning it to the kernel; False without glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1))
+
+
+print(
+    "allocator: glibc keeps freed memory for reuse"
+    if keep_freed_memory()
+    else "allocator: not glibc, left as it is (timings may vary more between runs)"
+)
+
+# %%
+# Checks in float64
+# -----------------
+# Every result is compared with a reference computed in float64 from the start, by its relative
+# error ``‖J − J_ref‖ / ‖J_ref‖``. Matrix products run in full float32 precision (no TF32 on
+# GPUs, set explicitly below), so a bound of 1e-5 leaves room for float32 rounding while still
+# catching any wrong entry.
+torch.set_float32_matmul_precision("highest")
+
+
+def relative_error(result, reference64):
+    return ((result.double() - reference64).norm() / reference64.norm()).item()
+
+
+def check(result, reference64, what, bound=1e-5):
+    """Assert the shape and the relative error of a result against a float64 reference."""
+    assert result.shape == reference64.shape, (what, result.shape, reference64.shape)
+    error = relative_error(result, reference64)
+    assert error < bound, f"{what}: relative error {error:.2e}"
+    return error
+
+
+def median_times_ms(methods, rounds=5, min_run_time=0.1):
+    """Median time of each method in ``{name: fn}``, in ms, using all of torch's threads.
+
+    Each method is called three times untimed first, so that caches, lazy initialisation and
+    the allocator's heap settle. Then the methods are timed in turn, round after round, and
+    each one's median over the rounds is reported: a slow spell of the machine hits every
+    method alike instead of whichever happened to run during it.
+    """
+    for fn in methods.values():
+        for _ in range(3):
+            fn()
+    timers = {
+        name: benchmark.Timer(
+            stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+        )
+        for name, fn in methods.items()
+    }
+    rounds_ms = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            blocks = timer.blocked_autorange(min_run_time=min_run_time)
+            rounds_ms[name].append(blocks.median * 1e3)
+    return {name: statistics.median(times) for name, times in rounds_ms.items()}
 
 
 # %%
@@ -66,6 +146,7 @@ batch_size, num_inputs, num_outputs = 64, 31, 33
 weight = torch.randn(num_outputs, num_inputs, device=device) / num_inputs**0.5
 bias = torch.randn(num_outputs, device=device)
 inputs = torch.randn(batch_size, num_inputs, device=device)
+weight64, bias64, inputs64 = weight.double(), bias.double(), inputs.double()
 
 
 def layer(weight, bias, x):
@@ -76,9 +157,9 @@ def layer(weight, bias, x):
 # The reference: each sample's exact Jacobian
 # -------------------------------------------
 # For one sample, ``∂f_i/∂x_k = (1 − f_i²) W_ik``. Broadcasting that
-# over the batch gives the reference for everything below.
-outputs = layer(weight, bias, inputs)
-reference_jacobians = (1 - outputs**2)[:, :, None] * weight
+# over the batch, in float64, gives the reference for everything below.
+outputs64 = layer(weight64, bias64, inputs64)
+reference_jacobians = (1 - outputs64**2)[:, :, None] * weight64
 print("reference batch of Jacobians:", tuple(reference_jacobians.shape))
 
 # %%
@@ -90,8 +171,8 @@ print("reference batch of Jacobians:", tuple(reference_jacobians.shape))
 # output, then the input axis.
 batch_jacobian = vmap(jacrev(layer, argnums=2), in_dims=(None, None, 0))
 vmap_jacobians = batch_jacobian(weight, bias, inputs)
-print("vmap(jacrev):", tuple(vmap_jacobians.shape))
-torch.testing.assert_close(vmap_jacobians, reference_jacobians)
+error = check(vmap_jacobians, reference_jacobians, "vmap(jacrev)")
+print(f"vmap(jacrev): {tuple(vmap_jacobians.shape)}, relative error {error:.1e}")
 
 # %%
 # The sum-over-batch trick
@@ -100,9 +181,11 @@ torch.testing.assert_close(vmap_jacobians, reference_jacobians)
 # the outputs. That function maps the whole (64, 31) batch to 33 numbers, so ``jacrev`` gives a
 # (33, 64, 31) tensor; moving the batch axis to the front gives (64, 33, 31).
 #
-# Entry ``(i, b, k)`` of that tensor is ``Σ_c ∂f_i(x_c)/∂x_bk``.
-# It equals the per-sample Jacobian **only if each sample's output depends on its own input
-# alone**, so that every term with ``c ≠ b`` vanishes. A per-sample layer satisfies that.
+# Entry ``(b, i, k)`` of that tensor is ``Σ_c ∂f_i(x_c)/∂x_bk``: the sample's own term
+# (``c = b``) plus the cross-sample terms (``c ≠ b``). The trick is exact precisely when the
+# cross-sample terms *sum* to zero. Samples that do not interact (each output depends on its own
+# input alone) are the usual way to get there, because then every cross term is zero. A
+# per-sample layer is such a function.
 
 
 def sum_trick_jacobians(fn, weight, bias, inputs):
@@ -111,33 +194,31 @@ def sum_trick_jacobians(fn, weight, bias, inputs):
 
 
 trick_jacobians = sum_trick_jacobians(layer, weight, bias, inputs)
-print("sum trick:", tuple(trick_jacobians.shape))
-torch.testing.assert_close(trick_jacobians, reference_jacobians)
+error = check(trick_jacobians, reference_jacobians, "sum trick")
+print(f"sum trick: {tuple(trick_jacobians.shape)}, relative error {error:.1e}")
 
 # %%
 # Where the trick silently fails
 # ------------------------------
 # Now make the samples interact: centre the batch (subtract its mean) before the layer, as batch
 # normalisation does. Each output now depends on every input in the batch. The true per-sample
-# Jacobian is the diagonal block ``∂f(x_b)/∂x_b`` of the full Jacobian of
-# the batch function, which we compute in full as the reference. The trick runs without
-# complaint, returns the right shape, and is wrong, because it adds in all the cross-sample
-# terms.
+# Jacobian is the diagonal block ``∂f(x_b)/∂x_b`` of the full Jacobian of the batch function,
+# which we compute in full, in float64, as the reference. The trick runs without complaint,
+# returns the right shape, and is wrong, because it adds in all the cross-sample terms.
 
 
 def centred_layer(weight, bias, batch):
     return layer(weight, bias, batch - batch.mean(dim=0))
 
 
-full_jacobian = jacrev(centred_layer, argnums=2)(
-    weight, bias, inputs
-)  # (64, 33, 64, 31)
+full_jacobian = jacrev(centred_layer, argnums=2)(weight64, bias64, inputs64)
 samples = torch.arange(batch_size, device=device)
 true_blocks = full_jacobian[
     samples, :, samples
 ]  # (64, 33, 31): each sample's own block
+print("full Jacobian of the batch:", tuple(full_jacobian.shape))
 wrong_blocks = sum_trick_jacobians(centred_layer, weight, bias, inputs)
-trick_error = ((wrong_blocks - true_blocks).norm() / true_blocks.norm()).item()
+trick_error = relative_error(wrong_blocks, true_blocks)
 print(
     f"sum trick on a batch-coupled function: shape {tuple(wrong_blocks.shape)}, "
     f"relative error {trick_error:.2f}"
@@ -145,44 +226,70 @@ print(
 assert wrong_blocks.shape == true_blocks.shape and trick_error > 0.1
 
 # %%
-# The cross terms here are each small (1/64 of a sample's weight), but there are 63 of them,
-# and they add up. ``vmap`` would not give the true blocks either: applied to one sample at a
-# time, ``centred_layer`` centres a batch of one and sees only zeros. A function that couples
-# samples has no per-sample Jacobian that a per-sample transform can see; take the blocks of
-# the full Jacobian, as above.
+# Why the cross terms add up instead of cancelling: with ``z_c`` the centred input of sample
+# ``c``, ``∂f_i(x_c)/∂x_bk = (1 − f_i(x_c)²) W_ik (δ_bc − 1/B)``. Every cross term
+# (``c ≠ b``) is ``−(1 − f_i(x_c)²)/B`` times the same entry ``W_ik``: a positive multiple of
+# one fixed pattern, so all B − 1 of them point the same way. Their sum is exactly the trick's
+# error, which we check term by term:
+centred_outputs64 = centred_layer(weight64, bias64, inputs64)
+slopes = 1 - centred_outputs64**2  # (B, outputs): 1 − f_i(x_c)², all positive
+cross_sum = -(slopes.sum(dim=0) - slopes) / batch_size  # Σ over c ≠ b, for each b
+predicted_error = cross_sum[:, :, None] * weight64  # (B, outputs, inputs)
+check(wrong_blocks - true_blocks.float(), predicted_error, "cross-term formula", 1e-4)
+assert (slopes > 0).all()
+print("the trick's error equals the sum of the cross-sample terms")
+
+# %%
+# ``vmap`` does not give the true blocks either, and it does not complain. Under ``vmap`` the
+# function sees one sample of shape (31,), so ``batch.mean(dim=0)`` averages that sample's 31
+# *features*: a different function, which centres each input vector on its own mean. The
+# result has the right shape and is wrong. Its Jacobian is exactly the Jacobian of
+# feature-centring, which we check against a float64 version written out that way.
+vmap_centred = vmap(jacrev(centred_layer, argnums=2), in_dims=(None, None, 0))(
+    weight, bias, inputs
+)
+
+
+def feature_centred_layer(weight, bias, x):
+    return layer(weight, bias, x - x.mean())
+
+
+feature_centred_reference = vmap(
+    jacrev(feature_centred_layer, argnums=2), in_dims=(None, None, 0)
+)(weight64, bias64, inputs64)
+check(vmap_centred, feature_centred_reference, "vmap on the batch-coupled function")
+vmap_error = relative_error(vmap_centred, true_blocks)
+print(f"vmap(jacrev) on the batch-coupled function: relative error {vmap_error:.2f}")
+assert vmap_error > 0.1
+
+# %%
+# The lesson: inside ``vmap``, a reduction over "dimension 0" means something else, silently.
+# A function that couples samples has no per-sample Jacobian that a per-sample transform can
+# see; take the diagonal blocks of the full Jacobian, as above.
 
 # %%
 # Batch Hessians
 # --------------
 # The same pattern gives one Hessian per sample: ``vmap(hessian(...))``. Each sample's Hessian of
 # its 33 outputs with respect to its 31 inputs has shape (33, 31, 31), so the batch is
-# (64, 33, 31, 31). The exact per-sample Hessian,
-# ``−2 f_i (1 − f_i²) W_ik W_il``, evaluated in float64, is the reference; the
-# relative error of float32 should sit near 1e-7, and 1e-5 leaves room for accumulation.
+# (64, 33, 31, 31). The exact per-sample Hessian, ``−2 f_i (1 − f_i²) W_ik W_il``, computed in
+# float64 from the start, is the reference.
 batch_hessian = vmap(hessian(layer, argnums=2), in_dims=(None, None, 0))
 vmap_hessians = batch_hessian(weight, bias, inputs)
-outputs64 = outputs.double()
-weight64 = weight.double()
 reference_hessians = torch.einsum(
     "bi,ik,il->bikl", -2 * outputs64 * (1 - outputs64**2), weight64, weight64
 )
-hessian_error = (
-    (vmap_hessians.double() - reference_hessians).norm() / reference_hessians.norm()
-).item()
+hessian_error = check(vmap_hessians, reference_hessians, "vmap(hessian)")
 print(
     f"vmap(hessian): {tuple(vmap_hessians.shape)}, relative error {hessian_error:.1e}"
-)
-assert (
-    vmap_hessians.shape == (batch_size, num_outputs, num_inputs, num_inputs)
-    and hessian_error < 1e-5
 )
 
 # %%
 # Timing: ``vmap``, the trick and a loop
 # --------------------------------------
 # The loop calls ``jacrev`` (or ``hessian``) once per sample and stacks the results; it is the
-# natural code before ``vmap``. All timings are medians from :mod:`torch.utils.benchmark` in
-# this run.
+# natural code before ``vmap``. Both loops are checked against the references first. All
+# timings are medians from :mod:`torch.utils.benchmark` in this run.
 
 
 def loop_jacobians(weight, bias, inputs):
@@ -193,37 +300,46 @@ def loop_hessians(weight, bias, inputs):
     return torch.stack([hessian(layer, argnums=2)(weight, bias, x) for x in inputs])
 
 
-torch.testing.assert_close(loop_jacobians(weight, bias, inputs), reference_jacobians)
-torch.testing.assert_close(loop_hessians(weight, bias, inputs), vmap_hessians)
+check(loop_jacobians(weight, bias, inputs), reference_jacobians, "loop of jacrev")
+check(loop_hessians(weight, bias, inputs), reference_hessians, "loop of hessian")
 
-jacobian_times_ms = {
-    "Python loop": median_ms(lambda: loop_jacobians(weight, bias, inputs)),
-    "sum trick": median_ms(lambda: sum_trick_jacobians(layer, weight, bias, inputs)),
-    "vmap(jacrev)": median_ms(lambda: batch_jacobian(weight, bias, inputs)),
-}
-hessian_times_ms = {
-    "Python loop": median_ms(lambda: loop_hessians(weight, bias, inputs)),
-    "vmap(hessian)": median_ms(lambda: batch_hessian(weight, bias, inputs)),
-}
-loop_ms = jacobian_times_ms["Python loop"]
-for method, ms in jacobian_times_ms.items():
-    print(f"Jacobians {method:13s} {ms:7.2f} ms  ({loop_ms / ms:.1f}x vs the loop)")
-hessian_loop_ms = hessian_times_ms["Python loop"]
-for method, ms in hessian_times_ms.items():
-    print(
-        f"Hessians  {method:13s} {ms:7.2f} ms  ({hessian_loop_ms / ms:.1f}x vs the loop)"
-    )
+jacobian_times_ms = median_times_ms(
+    {
+        "loop": lambda: loop_jacobians(weight, bias, inputs),
+        "sum trick": lambda: sum_trick_jacobians(layer, weight, bias, inputs),
+        "vmap": lambda: batch_jacobian(weight, bias, inputs),
+    }
+)
+hessian_times_ms = median_times_ms(
+    {
+        "loop": lambda: loop_hessians(weight, bias, inputs),
+        "vmap": lambda: batch_hessian(weight, bias, inputs),
+    }
+)
+names = {"loop": "Python loop", "sum trick": "sum trick", "vmap": "vmap"}
+for what, times in [("Jacobians", jacobian_times_ms), ("Hessians", hessian_times_ms)]:
+    for method, ms in times.items():
+        speedup = f"  ({times['loop'] / ms:.2f}x faster than the loop)"
+        print(
+            f"{what:9s} {names[method]:11s} {ms:7.2f} ms{speedup if method != 'loop' else ''}"
+        )
 
 # %%
+# The time axis is logarithmic, so that a bar ten times shorter is clearly visible. The colours
+# are the site's: the same method has the same colour on every page.
 fig, (ax_jac, ax_hess) = plt.subplots(1, 2, figsize=(8, 3), layout="constrained")
 for ax, times, title in [
-    (ax_jac, jacobian_times_ms, "64 Jacobians (33 × 31)"),
-    (ax_hess, hessian_times_ms, "64 Hessians (33 × 31 × 31)"),
+    (ax_jac, jacobian_times_ms, f"{batch_size} Jacobians (33 × 31)"),
+    (ax_hess, hessian_times_ms, f"{batch_size} Hessians (33 × 31 × 31)"),
 ]:
-    colors = ["#d95f02", "#7570b3", "#1b9e77"][-len(times) :]
-    bars = ax.bar(list(times), list(times.values()), color=colors)
-    ax.bar_label(bars, labels=[f"{ms:.1f}" for ms in times.values()], padding=2)
-    ax.set_ylim(0, max(times.values()) * 1.2)
+    bars = ax.bar(
+        [names[m] for m in times],
+        list(times.values()),
+        color=[METHOD_COLORS[m] for m in times],
+    )
+    ax.bar_label(bars, labels=[f"{ms:.2f}" for ms in times.values()], padding=2)
+    ax.set_yscale("log")
+    ax.set_ylim(min(times.values()) / 2, max(times.values()) * 3)
     ax.set_ylabel("median time (ms)")
     ax.set_title(title)
 fig.suptitle(
@@ -236,6 +352,8 @@ plt.show()
 # ----------------
 # * ``vmap(jacrev(f, argnums=...), in_dims=(None, ..., 0))`` gives a (batch, outputs, inputs)
 #   tensor, and ``vmap(hessian(...))`` a (batch, outputs, inputs, inputs) one.
-# * The sum-over-batch trick is correct only when each output depends on its own sample alone.
-#   When samples interact, as through batch statistics, it returns a plausible tensor that is
-#   wrong.
+# * The sum-over-batch trick is exact when the cross-sample terms sum to zero, which holds when
+#   each output depends on its own sample alone. When samples interact, as through batch
+#   statistics, it returns a plausible tensor that is wrong.
+# * Inside ``vmap``, a reduction over dimension 0 reduces over the sample's own first axis. It
+#   raises no error; check such functions against the full Jacobian.

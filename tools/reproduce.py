@@ -1,0 +1,167 @@
+"""Run each example's downloaded script in fresh processes; compare its ratios with the page.
+
+`make reproduce` calls this after `make html`. For every example it takes the Python script
+that the built site offers for download, runs it RUNS times, each in a new interpreter, and
+reads every ratio it prints (a number followed by "x", such as "2.07x"). It prints, for each
+ratio, the value on the built page beside the spread of the fresh runs, and writes the same
+report to a file. It is a report, not a test: timings never fail it. It exits non-zero only
+when it cannot do its job (no built site, a script that fails).
+"""
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bs4 import BeautifulSoup
+
+REPO = Path(__file__).resolve().parent.parent
+RATIO = re.compile(r"(\d+(?:\.\d+)?)x\b")
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+TOLERANCE = 0.25  # the site's stability rule: each ratio within ±25% over fresh runs
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def ratios(text):
+    """{(line shape, occurrence): (ratio, line)} for every "N.NNx" in printed output.
+
+    A line's shape is the line with every number blanked and its spacing folded, so the same
+    line matches across runs whose timings differ; repeated shapes are told apart by order.
+    """
+    found, seen = {}, {}
+    for line in text.splitlines():
+        for match in RATIO.finditer(line):
+            shape = " ".join(NUMBER.sub("#", line).split())
+            seen[shape] = seen.get(shape, 0) + 1
+            label = line[: match.start()] + "□" + line[match.end() - 1 :]
+            found[(shape, seen[shape])] = (float(match.group(1)), label.strip())
+    return found
+
+
+def page_output(page):
+    soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+    return "\n".join(
+        pre.get_text() for pre in soup.select("div.sphx-glr-script-out pre")
+    )
+
+
+def run_script(script, workdir):
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if result.returncode != 0:
+        fail(f"{script.name} failed in a fresh process:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def report_example(example, site, runs, lines):
+    page = site / "auto_examples" / f"{example}.html"
+    scripts = list((site / "_downloads").rglob(f"{example}.py"))
+    if not page.is_file() or len(scripts) != 1:
+        fail(f"{example}: no built page or download in {site}; run `make html` first")
+    on_page = ratios(page_output(page))
+    fresh = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for run in range(runs):
+            started = time.perf_counter()
+            fresh.append(ratios(run_script(scripts[0], workdir)))
+            print(
+                f"  {example}: fresh run {run + 1}/{runs} "
+                f"({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+            )
+    lines.append(
+        f"\n{example}: {len(on_page)} ratios, {runs} fresh runs of its download"
+    )
+    lines.append(
+        f"  {'page':>8} {'runs: min':>10} {'median':>8} {'max':>8} "
+        f"{'spread':>7} {'page vs':>8}  ratio (□ on the printed line)"
+    )
+    outside = 0
+    for key, (page_value, label) in on_page.items():
+        values = [run[key][0] for run in fresh if key in run]
+        if len(values) < runs:
+            lines.append(f"  {page_value:8.2f} {'missing in some runs':>44}  {label}")
+            outside += 1
+            continue
+        median = statistics.median(values)
+        spread = max(abs(v - median) for v in values) / median if median else 0.0
+        page_off = (page_value - median) / median if median else 0.0
+        flag = (
+            ""
+            if spread <= TOLERANCE and abs(page_off) <= TOLERANCE
+            else "  <-- over ±25%"
+        )
+        outside += bool(flag)
+        lines.append(
+            f"  {page_value:8.2f} {min(values):10.2f} {median:8.2f} {max(values):8.2f} "
+            f"{spread:6.0%} {page_off:+8.0%}  {label[:90]}{flag}"
+        )
+    return len(on_page), outside
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="fresh runs per example")
+    parser.add_argument(
+        "--example", default="", help="one example, e.g. plot_per_sample_grads"
+    )
+    parser.add_argument("--site", type=Path, default=REPO / "_build" / "html")
+    parser.add_argument(
+        "--report", type=Path, help="also write the report to this file"
+    )
+    args = parser.parse_args()
+
+    known = sorted(p.stem for p in (REPO / "examples").rglob("plot_*.py"))
+    if args.example and args.example not in known:
+        fail(
+            f"no example called {args.example!r}; the examples are: {', '.join(known)}"
+        )
+    if not (args.site / "auto_examples").is_dir():
+        fail(f"no built site in {args.site}: run `make html` first")
+    examples = [args.example] if args.example else known
+
+    import torch  # only for the header: which torch the runs used
+
+    lines = [
+        f"make reproduce: {args.runs} fresh runs of each downloaded example script, "
+        f"compared with the built pages",
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"CUDA available: {torch.cuda.is_available()}",
+        "spread: largest distance of a run from the runs' median; page vs: the built page's "
+        "value against that median",
+    ]
+    total = outside = 0
+    for example in examples:
+        counted, over = report_example(example, args.site, args.runs, lines)
+        total, outside = total + counted, outside + over
+    lines.append(
+        f"\n{total} ratios, {total - outside} within ±{TOLERANCE:.0%} over the fresh runs "
+        f"and on the page, {outside} not"
+    )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(report, encoding="utf-8")
+        print(f"report written to {args.report}")
+
+
+if __name__ == "__main__":
+    main()
