@@ -6,55 +6,78 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # What the site targets need first. The tests set it empty, to build a copy of the sources
 # with the interpreter they already run in.
-NEEDS   ?= $(STAMP)
+NEEDS   ?= $(STAMP) usable-venv
 BUILD   := _build
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 EXAMPLE ?=
+EXAMPLES := $(sort $(basename $(notdir $(wildcard examples/plot_*.py))))
 SPHINXOPTS ?=
-LINTED  := examples tests docs conf.py
-# -W: a warning fails the build; --keep-going: but report every warning first.
-SPHINXBUILD = $(PY) -m sphinx -b html -W --keep-going -c . $(SPHINXOPTS) docs $(BUILD)/html
+LINTED  := examples tests docs tools conf.py
+# make reproduce: fresh runs per example, and where the full report goes (the timings page shows it)
+RUNS    ?= 5
+REPORT  ?= docs/measured/reproduce-report.txt
+# The browser the tests drive: the system's Chromium, or CHROMIUM=/path/to/chrome.
+CHROMIUM ?= chromium
+# -W: a warning fails the build; --keep-going: but report every warning first. -E: read every
+# page afresh, so a build never reuses state from an earlier, failed one (examples that ran
+# successfully are still skipped by their MD5).
+SPHINXBUILD = $(PY) -m sphinx -b html -E -W --keep-going -c . $(SPHINXOPTS) docs $(BUILD)/html
+FAILED  = { echo "error: the site did not build; see the messages above" >&2; exit 1; }
 
 .DEFAULT_GOAL := help
-.PHONY: help venv html html-noplot test lint serve clean
+.PHONY: help venv usable-venv known-example html html-noplot test lint reproduce inventory serve clean
 
 help:  ## List the targets
 	@echo "torch.func by example. Targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14 | sed 's/^/  make /'
-	@echo "Variables: EXAMPLE=plot_name (build and run one example), PYTHON=python3.11"
+	@echo "Variables: EXAMPLE=plot_name (one example, for html and reproduce), RUNS=5 (reproduce),"
+	@echo "           PYTHON=python3.11 (to create .venv), CHROMIUM=/path/to/chrome (tests)"
 
 venv: $(STAMP)  ## Create .venv from requirements.txt (again when requirements.txt changes)
 
 $(STAMP): requirements.txt
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
-	  { echo "error: $(PYTHON) is older than Python 3.11; run: make PYTHON=python3.11 ..." >&2; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || \
+	  { echo "error: '$(PYTHON)' is not Python 3.11 or newer; run: make PYTHON=python3.11 ..." >&2; exit 1; }
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-# A failed build forgets Sphinx's saved environment, so that the next build reads every page
-# again and reports the same problems, instead of quietly reusing a half-built site.
-FORGET_ON_FAILURE = || { rm -rf $(BUILD)/html/.doctrees; echo "error: the site did not build; see the messages above" >&2; exit 1; }
+usable-venv:
+	@$(PY) -c 'import sphinx, torch' 2>/dev/null || \
+	  { echo "error: $(VENV) is stale or broken ($(PY) cannot import sphinx and torch); remove it (rm -rf $(VENV)) and run make again" >&2; exit 1; }
 
-html: $(NEEDS)  ## Build the site, running the examples, into _build/html
-	GALLERY_EXAMPLE="$(EXAMPLE)" $(SPHINXBUILD) $(FORGET_ON_FAILURE)
+known-example:
+	@if [ -n "$(EXAMPLE)" ] && [ ! -f "examples/$(basename $(EXAMPLE)).py" ]; then \
+	  echo "error: no example called '$(EXAMPLE)'. The examples are: $(EXAMPLES)" >&2; exit 1; fi
+
+html: known-example $(NEEDS)  ## Build the site, running the examples, into _build/html
+	GALLERY_EXAMPLE="$(basename $(EXAMPLE))" $(SPHINXBUILD) || $(FAILED)
 	@echo "Built the site: open $(CURDIR)/$(BUILD)/html/index.html"
 
 html-noplot: $(NEEDS)  ## Build the site without running the examples
-	$(SPHINXBUILD) -D plot_gallery=0 $(FORGET_ON_FAILURE)
+	$(SPHINXBUILD) -D plot_gallery=0 || $(FAILED)
 	@echo "Built the site (examples not run): open $(CURDIR)/$(BUILD)/html/index.html"
 
-test: $(STAMP)  ## Run the test suite (it builds its own copy of the site)
-	$(PY) -m pytest tests
+test: $(NEEDS)  ## Run the test suite (it builds its own copy of the site)
+	@command -v "$(CHROMIUM)" >/dev/null || \
+	  { echo "error: no browser '$(CHROMIUM)' for the browser tests: apt-get install chromium, or set CHROMIUM=/path/to/chrome" >&2; exit 1; }
+	CHROMIUM="$$(command -v "$(CHROMIUM)")" $(PY) -m pytest tests
 
-lint: $(NEEDS)  ## Check the code style of examples, tests and docs with ruff
+lint: $(NEEDS)  ## Check the code style of examples, tests, docs and tools with ruff
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
 
+reproduce: known-example $(NEEDS)  ## Run each built example's download RUNS times afresh; compare its ratios with the page
+	$(PY) tools/reproduce.py --runs $(RUNS) $(if $(EXAMPLE),--example $(basename $(EXAMPLE)),--report $(REPORT))
+
+inventory: $(NEEDS)  ## Rewrite docs/_inventories/torch.inv from the installed torch (after a torch upgrade)
+	$(PY) tools/torch_inventory.py
+
 serve: ## Serve the built site on http://127.0.0.1:8000
+	@[ -f $(BUILD)/html/index.html ] || { echo "error: nothing to serve in $(BUILD)/html: run make html first" >&2; exit 1; }
 	$(PY) -m http.server --bind 127.0.0.1 --directory $(BUILD)/html 8000
 
 clean:  ## Remove the built site and the generated gallery (keeps .venv)
-	rm -rf $(BUILD) docs/auto_examples docs/sg_execution_times.rst
+	rm -rf $(BUILD) docs/auto_examples docs/gen_modules docs/sg_execution_times.rst

@@ -1,76 +1,96 @@
-"""Sphinx configuration for torch.func by example. Logic lives in docs/gallery_support.py."""
+"""Sphinx configuration for torch.func by example.
+
+Only settings that differ from the defaults. The logic lives in docs/sphinxext/, one job per
+module; its README lists them.
+"""
 
 import os
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "docs"))  # so gallery_support imports
-import gallery_support  # noqa: E402
+# The site's extensions, one job per module.
+sys.path.insert(0, str(Path(__file__).parent / "docs" / "sphinxext"))
+from cuda_peak_memory import memory_reporter  # noqa: E402
+from notebook_install_cell import install_cell  # noqa: E402
 
 project = "torch.func by example"
-html_title = "torch.func by example"  # the site says what it is in every tab and header
+# The site says what it is in every tab and header.
+html_title = project
 author = "The torch.func by example authors"
 copyright = "2026, " + author
 root_doc = "index"
 
 extensions = [
-    # Runs examples/plot_*.py and renders them as pages.
-    "sphinx_gallery.gen_gallery",
-    # Example buttons, thumbnail alt text, PyTorch API links, no third-party assets.
-    "gallery_support",
+    "sphinx.ext.intersphinx",  # API names link to PyTorch's reference
+    "sphinx_gallery.gen_gallery",  # runs examples/plot_*.py and renders them as pages
+    "sphinx_copybutton",  # a copy button on every code cell
+    "notfound.extension",  # a 404 page in the site's theme
+    "not_found_links",  # the 404 page's own links work from any missing address
+    "example_buttons",  # Colab, notebook and script buttons under each example's title
+    "thumbnail_alt_text",  # thumbnails described by their example's first figure
+    "offline_assets",  # no third-party scripts on the execution-times pages
+    "api_reference",  # the API page's list of torch.func functions and their examples
 ]
+# sphinx-gallery's downloads sit beside its pages; they are not pages.
 exclude_patterns = [
     "auto_examples/*.ipynb",
     "auto_examples/*.py",
     "auto_examples/*.zip",
 ]
+# An API name that resolves nowhere fails the build.
+nitpicky = True
+
+# PyTorch's API, from an inventory in the repository (make inventory): builds stay offline.
+intersphinx_mapping = {
+    "torch": ("https://docs.pytorch.org/docs/stable/", "_inventories/torch.inv"),
+}
 
 # "Run in Google Colab" opens the notebook from the branch that GitHub Pages serves. The
 # repository (owner/name) comes from GitHub Actions; where it is empty the button is left out.
-colab_notebooks = {
-    "repository": os.environ.get("GITHUB_REPOSITORY", ""),
-    "branch": "gh-pages",
-}
+_repository = os.environ.get("GITHUB_REPOSITORY", "")
+colab_notebooks = {"repository": _repository, "branch": "gh-pages"}
+# GitHub Pages serves a project site under /<name>/; the 404 page's links must start there.
+notfound_urls_prefix = f"/{_repository.partition('/')[2]}/" if _repository else "/"
 
 html_theme = "furo"
-html_static_path = ["docs/_static"]  # relative to conf.py
+# Our styles (buttons, figures on dark backgrounds), relative to conf.py.
+html_static_path = ["docs/_static"]
 html_css_files = ["site.css"]
 # A missing favicon is a failed request in the browser.
 html_favicon = "docs/_static/favicon.svg"
 # Readers want the example downloads, not the generated reST.
 html_show_sourcelink = False
-pygments_style = "a11y-light"  # WCAG AA contrast for code, in both themes
+# WCAG AA contrast for code, in both themes.
+pygments_style = "a11y-light"
 pygments_dark_style = "a11y-dark"
+# Copy buttons on code cells only, never on printed output.
+copybutton_selector = "div.highlight-Python pre"
 
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 _only_example = os.environ.get("GALLERY_EXAMPLE", "").removesuffix(".py")
-_run_pattern = re.escape(os.sep + (_only_example or "plot_"))
 
 sphinx_gallery_conf = {
     # Relative to docs/, the source folder; the gallery is generated and git-ignored.
     "examples_dirs": "../examples",
     "gallery_dirs": "auto_examples",
-    "filename_pattern": _run_pattern,
+    # Run every example, or exactly the one named by EXAMPLE.
+    "filename_pattern": re.escape(f"{os.sep}{_only_example}.py") + "$"
+    if _only_example
+    else re.escape(os.sep) + "plot_",
     # The gallery follows the reading order of the index page.
-    "within_subsection_order": "gallery_support.ReadingOrder",
-    # Zips of every .py and every .ipynb.
-    "download_all_examples": True,
+    "within_subsection_order": "reading_order.ReadingOrder",
     # Notebooks open with a cell that installs torch and matplotlib where they are missing.
-    "first_notebook_cell": gallery_support.notebook_install_cell(),
+    "first_notebook_cell": install_cell(),
     # Seeds, torch's global settings and matplotlib are reset before every example.
-    "reset_modules": ("matplotlib", "gallery_support.reset_state"),
-    "reset_modules_order": "before",
-    # Run every example, then fail the build and list every failure.
-    "abort_on_example_error": False,
-    "only_warn_on_example_error": False,
-    # Every page shows its running time; the execution-times table is kept.
-    "min_reported_time": 0,
-    "write_computation_times": True,
+    "reset_modules": ("matplotlib", "reset_between_examples.reset_state"),
     # CUDA peak memory on GPU builds, nothing on the CPU.
-    "show_memory": gallery_support.memory_reporter(),
-    "remove_config_comments": True,
+    "show_memory": memory_reporter(),
+    # Mini-galleries of the examples that use each torch name, for the API page.
+    "doc_module": ("torch",),
+    "backreferences_dir": "gen_modules/backreferences",
+    # "Related examples" at the foot of each example page, computed offline.
+    "recommender": {"enable": True, "n_examples": 3},
     # Sharp figures on high-density screens.
     "image_srcset": ["2x"],
-    "thumbnail_size": (400, 280),
 }

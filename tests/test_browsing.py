@@ -1,13 +1,14 @@
 """The built site in a real browser: headless Chromium (the system's), driven by Playwright.
 
-The site is served on 127.0.0.1 on an ephemeral port. Every page load records every request:
+The site is served on 127.0.0.1 on an ephemeral port, under the same sub-path as on GitHub Pages,
+and like GitHub Pages the server answers an unknown address with the site's 404 page. Every
+page load records every request:
 anything that fails, anything that goes to another host, and any console error fails the test.
 Screenshots of both themes land in test-artifacts/ (git-ignored).
 """
 
 import functools
 import io
-import json
 import os
 import shutil
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from conftest import EXAMPLES, REPO
+from helpers import EXAMPLES, PAGES_PREFIX, REPO
 from PIL import Image
 from playwright.sync_api import sync_playwright
 
@@ -39,8 +40,27 @@ PHONE = {"width": 390, "height": 844}
 CONTENT_TYPES = {".ipynb": "application/x-ipynb+json", ".py": "text/x-python"}
 
 
-class QuietHandler(SimpleHTTPRequestHandler):
+class PagesLikeHandler(SimpleHTTPRequestHandler):
+    """Serves the site under PAGES_PREFIX; anything else gets 404.html with status 404."""
+
     extensions_map = {**SimpleHTTPRequestHandler.extensions_map, **CONTENT_TYPES}
+
+    def translate_path(self, path):
+        inside = path.startswith(PAGES_PREFIX)
+        local = super().translate_path("/" + path.removeprefix(PAGES_PREFIX))
+        return local if inside else "/nonexistent"
+
+    def send_error(self, code, message=None, explain=None):
+        page = Path(self.directory) / "404.html"
+        if code != 404 or not page.is_file():
+            return super().send_error(code, message, explain)
+        body = page.read_bytes()
+        self.send_response(404)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -48,11 +68,11 @@ class QuietHandler(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def base_url(site):
-    handler = functools.partial(QuietHandler, directory=str(site.html))
+    handler = functools.partial(PagesLikeHandler, directory=str(site.html))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: an ephemeral port
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/"
+    yield f"http://127.0.0.1:{server.server_port}{PAGES_PREFIX}"
     server.shutdown()
     server.server_close()
 
@@ -74,12 +94,14 @@ def browser():
 class Visit:
     """One page in a fresh browser context, with every request and console error recorded."""
 
-    def __init__(self, browser, base_url, path, viewport=None):
+    def __init__(self, browser, base_url, path, viewport=None, expect_status=200):
         self.context = browser.new_context(
             viewport=viewport or {"width": 1280, "height": 900}
         )
         self.page = self.context.new_page()
         self.base_url = base_url
+        self.address = base_url + path
+        self.expect_status = expect_status
         self.requests, self.problems = [], []
         page = self.page
         page.on("request", lambda request: self.requests.append(request.url))
@@ -96,11 +118,18 @@ class Visit:
         page.wait_for_load_state("networkidle")
 
     def _check_status(self, response):
+        if response.url == self.address and response.status == self.expect_status:
+            return
         if response.status >= 400:
             self.problems.append(f"HTTP {response.status}: {response.url}")
 
     def _check_console(self, message):
-        if message.type == "error":
+        expected = (
+            self.expect_status != 200
+            and message.location.get("url") == self.address
+            and message.text.startswith("Failed to load resource")
+        )  # the browser reports the status we asked for, a 404 page's own 404
+        if message.type == "error" and not expected:
             self.problems.append(f"console error: {message.text}")
 
     def assert_clean(self):
@@ -125,8 +154,8 @@ class Visit:
 def visit(browser, base_url):
     visits = []
 
-    def open_page(path, viewport=None):
-        visits.append(Visit(browser, base_url, path, viewport))
+    def open_page(path, viewport=None, expect_status=200):
+        visits.append(Visit(browser, base_url, path, viewport, expect_status))
         return visits[-1]
 
     yield open_page
@@ -138,6 +167,7 @@ EXAMPLE_PAGES = [f"auto_examples/{e.with_suffix('.html')}" for e in EXAMPLES]
 PAGES = [
     "index.html",
     "auto_examples/index.html",
+    "api.html",
     "reading-timings.html",
     "sg_execution_times.html",
     "search.html",
@@ -200,11 +230,6 @@ def test_example_page_shows_code_output_figure_time_and_downloads(visit, path):
         response = page.request.get(url)
         assert response.status == 200, url
         assert response.headers["content-type"].split(";")[0] == CONTENT_TYPES[suffix]
-        if suffix == ".ipynb":
-            notebook = json.loads(response.body())
-            assert notebook["nbformat"] == 4 and notebook["cells"]
-        else:
-            compile(response.text(), url, "exec")  # the script parses as Python
     example.assert_clean()
 
 
@@ -292,3 +317,32 @@ def test_no_serious_accessibility_violations(visit, path):
         if v["impact"] in ("serious", "critical")
     ]
     assert not serious, "\n".join(serious)
+
+
+def test_an_unknown_address_gets_the_sites_404_page_with_working_links(visit, base_url):
+    missing = visit("no/such/page.html", expect_status=404)
+    page = missing.page
+    assert page.locator("h1").inner_text().startswith("Page not found")
+    missing.assert_clean()  # the theme's styles and scripts load from under the sub-path
+    assert not missing.broken_images()
+    for href in page.eval_on_selector_all(
+        "article a.reference.internal", "links => links.map(a => a.href)"
+    ):
+        assert href.startswith(base_url), href
+        assert page.request.get(href).status == 200, href
+
+
+def test_copy_buttons_copy_the_code_without_its_output(browser, base_url):
+    context = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
+    try:
+        page = context.new_page()
+        page.goto(base_url + EXAMPLE_PAGES[0], wait_until="networkidle")
+        code = page.locator("div.highlight-Python").nth(1)
+        assert page.locator("div.sphx-glr-script-out button.copybtn").count() == 0
+        code.hover()
+        code.locator("button.copybtn").click()
+        copied = page.evaluate("navigator.clipboard.readText()")
+        assert copied.strip() == code.locator("pre").inner_text().strip()
+        assert copied.strip()
+    finally:
+        context.close()

@@ -1,16 +1,17 @@
 """What `make html` produces, and how it fails."""
 
+import ast
+import os
 import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
 import torch
-from bs4 import BeautifulSoup
-from conftest import EXAMPLES, REPO, copy_sources, make
+from helpers import EXAMPLES, REPO, copy_sources, make, soup
 
-
-def soup(path):
-    return BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+HEX_COLOUR = re.compile(r"#[0-9A-Fa-f]{6}\b")
 
 
 def test_make_html_says_where_to_open_the_site(site):
@@ -41,20 +42,6 @@ def test_example_page_shows_its_run(site, example):
     assert re.search(
         r"\(\d+ minutes \d+\.\d+ seconds\)", running_time.find_parent("p").get_text()
     )
-
-
-@pytest.mark.parametrize("example", EXAMPLES, ids=str)
-def test_example_page_links_downloads_that_exist(site, example):
-    page = soup(site.page(example))
-    links = {
-        a["href"].rsplit(".", 1)[-1]: a["href"]
-        for a in page.select("div.sphx-glr-download a[href]")
-    }
-    assert {"py", "ipynb"} <= set(links), f"{example}: download links {links}"
-    for kind in ("py", "ipynb"):
-        target = (site.page(example).parent / links[kind]).resolve()
-        assert target.is_file() and target.name == f"{example.stem}.{kind}", target
-        assert target.stat().st_size > 1000
 
 
 def test_every_notebook_validates_against_the_format(site):
@@ -104,10 +91,10 @@ def test_no_page_loads_anything_from_another_host(site):
 def test_a_broken_example_fails_the_build_and_is_named(tmp_path):
     tree = copy_sources(tmp_path)
     source = (tree / "examples" / "plot_batch_jacobians_hessians.py").read_text()
-    correct = "reference_jacobians = (1 - outputs**2)[:, :, None] * weight"
+    correct = "reference_jacobians = (1 - outputs64**2)[:, :, None] * weight64"
     assert correct in source
     broken = source.replace(
-        correct, "reference_jacobians = (1 + outputs**2)[:, :, None] * weight"
+        correct, "reference_jacobians = (1 + outputs64**2)[:, :, None] * weight64"
     )
     (tree / "examples" / "plot_broken_copy.py").write_text(broken)
     result = make(tree, "html", "EXAMPLE=plot_broken_copy")
@@ -137,9 +124,22 @@ def test_examples_tests_and_docs_pass_the_linter():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+MINIMAL_INDEX = """Leak test
+=========
+
+.. toctree::
+
+   auto_examples/index
+   api
+   reading-timings
+   sg_execution_times
+"""
+
+
 def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
     """The reset before each example restores torch's settings, the seeds and matplotlib."""
-    tree = copy_sources(tmp_path)
+    tree = copy_sources(tmp_path, examples=set())
+    (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX)
     (tree / "examples" / "plot_zz_leak_a.py").write_text(
         '"""\nLeaks state\n===========\n"""\n'
         "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n\n"
@@ -149,16 +149,18 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
     )
     (tree / "examples" / "plot_zz_leak_b.py").write_text(
         '"""\nFinds a fresh start\n===================\n"""\n'
-        "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n\n"
+        "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n"
+        "from torch.func import vmap\n\n"
         "assert torch.get_default_dtype() == torch.float32\n"
         "assert torch.is_grad_enabled()\n"
         f"assert torch.get_num_threads() == {torch.get_num_threads()}\n"
         "first_draw = torch.rand(3)\n"
         "torch.manual_seed(0)\nassert torch.equal(first_draw, torch.rand(3))\n"
         'assert matplotlib.rcParams["lines.linewidth"] == 1.5\n'
-        "assert not plt.get_fignums()\nplt.plot([0, 1])\nplt.show()\n"
+        "assert not plt.get_fignums()\nplt.plot(vmap(torch.sin)(torch.zeros(2)))\n"
+        "plt.show()\n"
     )
-    result = make(tree, "html", "EXAMPLE=plot_zz_leak")
+    result = make(tree, "html")
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert "executed 2 out of 2 files" in log
@@ -190,3 +192,236 @@ def test_api_names_in_the_prose_link_to_the_pytorch_reference(site):
             )
             linked += 1
     assert linked >= 10
+
+
+def method_colors(example):
+    """The METHOD_COLORS dict an example defines, read from its source."""
+    tree = ast.parse((REPO / "examples" / example).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "METHOD_COLORS" for t in node.targets
+        ):
+            return ast.literal_eval(node.value), node
+    raise AssertionError(f"{example} defines no METHOD_COLORS")
+
+
+def test_one_method_keeps_one_colour_on_every_page():
+    palettes = {example: method_colors(example)[0] for example in EXAMPLES}
+    first = next(iter(palettes.values()))
+    for example, palette in palettes.items():
+        assert palette == first, f"{example} colours methods differently"
+    assert len(set(first.values())) == len(first), "two methods share a colour"
+    assert "#000000" not in first.values(), "black is for guides, not for a method"
+    for example in EXAMPLES:
+        lines = (REPO / "examples" / example).read_text(encoding="utf-8").splitlines()
+        _, node = method_colors(example)
+        outside = lines[: node.lineno - 1] + lines[node.end_lineno :]
+        stray = [line.strip() for line in outside if HEX_COLOUR.search(line)]
+        assert not stray, f"{example} picks colours outside METHOD_COLORS: {stray}"
+
+
+def run_mutated_example(tmp_path, example, anchor, replacement):
+    """Run an example, with `anchor` replaced, as a plain script; return the result."""
+    source = (REPO / "examples" / example).read_text(encoding="utf-8")
+    assert source.count(anchor) == 1, f"{example} no longer contains {anchor!r}"
+    script = tmp_path / example
+    script.write_text(source.replace(anchor, replacement), encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_wrong_gradient_of_one_small_parameter_fails_its_check(tmp_path):
+    """conv1.bias is under 1% of the gradient's norm: only a per-parameter check sees it."""
+    anchor = "float32_errors = check_each_parameter("
+    result = run_mutated_example(
+        tmp_path,
+        "plot_per_sample_grads.py",
+        anchor,
+        'per_sample_grads["conv1.bias"] = torch.zeros_like(per_sample_grads["conv1.bias"])\n'
+        + anchor,
+    )
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "AssertionError: vmap(grad), float32: conv1.bias" in result.stderr
+
+
+def test_a_typo_does_not_pass_for_an_error_that_vmap_raises(tmp_path):
+    result = run_mutated_example(
+        tmp_path,
+        "plot_per_sample_grads.py",
+        "vmap(lambda x: x.sum().item())",
+        "vmap(lambda x: x.sum().itme())",
+    )
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "AttributeError" in result.stderr and "itme" in result.stderr
+
+
+def test_reproduce_needs_a_built_site(tmp_path):
+    result = make(copy_sources(tmp_path), "reproduce")
+    assert result.returncode != 0
+    assert "run `make html` first" in result.stderr
+
+
+def test_reproduce_names_the_examples_when_given_an_unknown_one(site):
+    result = make(site.tree, "reproduce", "EXAMPLE=plot_does_not_exist")
+    assert result.returncode != 0
+    assert "plot_does_not_exist" in result.stderr
+    for example in EXAMPLES:
+        assert example.stem in result.stderr
+
+
+def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
+    example = "plot_batch_jacobians_hessians"
+    result = make(site.tree, "reproduce", f"EXAMPLE={example}", "RUNS=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = (site.html / "auto_examples" / f"{example}.html").read_text()
+    page_ratios = re.findall(r"(\d+\.\d+)x faster than the loop", page)
+    assert len(page_ratios) == 3  # sum trick and vmap for Jacobians, vmap for Hessians
+    rows = [
+        line for line in result.stdout.splitlines() if "faster than the loop" in line
+    ]
+    assert [row.split()[0] for row in rows] == page_ratios, result.stdout
+    assert re.search(r"\d+ ratios, \d+ within ±25%", result.stdout)
+
+
+def test_the_timings_page_shows_a_report_of_reproduce(site):
+    report = (REPO / "docs" / "measured" / "reproduce-report.txt").read_text()
+    assert report.startswith("make reproduce: 5 fresh runs"), report[:200]
+    for example in EXAMPLES:
+        assert f"\n{example.stem}: " in report, f"{example} missing from the report"
+    summary = report.strip().splitlines()[-1]
+    page = soup(site.html / "reading-timings.html").get_text()
+    assert summary in page
+
+
+# The front door: bad input fails at once, with one line saying what to do.
+
+
+@pytest.mark.parametrize("name", ["plot_does_not_exist", "plot_per_sample"])
+def test_make_html_refuses_an_example_name_that_is_not_exactly_one(site, name):
+    result = make(site.tree, "html", f"EXAMPLE={name}")
+    assert result.returncode != 0
+    assert f"no example called '{name}'" in result.stderr
+    for example in EXAMPLES:
+        assert example.stem in result.stderr
+    assert "Built the site" not in result.stdout
+
+
+def front_door(tree, *args, **env):
+    """`make` as a new user runs it: the tree's own .venv, no overrides from the tests."""
+    return subprocess.run(
+        ["make", "-C", str(tree), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_a_python_that_is_too_old_is_named(tmp_path):
+    tree = copy_sources(tmp_path / "tree")
+    old_python = tmp_path / "python3.9"
+    old_python.write_text(
+        "#!/bin/sh\nexit 1\n"
+    )  # fails the version check, like 3.9 does
+    old_python.chmod(0o755)
+    result = front_door(tree, "venv", f"PYTHON={old_python}")
+    assert result.returncode != 0
+    assert "is not Python 3.11 or newer; run: make PYTHON=python3.11" in result.stderr
+    assert not (tree / ".venv").exists()
+
+
+def test_a_stale_venv_is_named_instead_of_used(tmp_path):
+    tree = copy_sources(tmp_path)
+    stamp = tree / ".venv" / ".installed"
+    stamp.parent.mkdir()
+    stamp.touch()  # newer than requirements.txt, but there is no interpreter behind it
+    result = front_door(tree, "html")
+    assert result.returncode != 0
+    assert (
+        ".venv is stale or broken" in result.stderr and "rm -rf .venv" in result.stderr
+    )
+
+
+def test_the_tests_name_a_missing_browser(tmp_path):
+    result = make(copy_sources(tmp_path), "test", "CHROMIUM=/nonexistent/chromium")
+    assert result.returncode != 0
+    assert "no browser '/nonexistent/chromium'" in result.stderr
+    assert "apt-get install chromium" in result.stderr
+
+
+def test_serve_before_a_build_says_to_build_first(tmp_path):
+    result = make(copy_sources(tmp_path), "serve")
+    assert result.returncode != 0
+    assert "nothing to serve" in result.stderr and "make html first" in result.stderr
+
+
+def test_a_misspelt_api_name_fails_the_build_naming_the_page(tmp_path):
+    tree = copy_sources(tmp_path)
+    with (tree / "docs" / "reading-timings.rst").open("a") as page:
+        page.write("\nSee :func:`torch.func.vmapp`.\n")
+    result = make(tree, "html-noplot")
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-3000:]
+    assert "reading-timings.rst" in log and "torch.func.vmapp" in log
+
+
+# Links from API names, and the API page.
+
+
+def test_api_names_in_the_code_link_to_the_pytorch_reference(site):
+    pages = [soup(site.page(example)) for example in EXAMPLES]
+    linked = {
+        a.get_text(): a["href"]
+        for page in pages
+        for a in page.select("div.highlight-Python pre a[href]")
+    }
+    expected = {  # torch.func.vmap is torch.vmap, which PyTorch documents under that name
+        "vmap": "generated/torch.vmap.html#torch.vmap",
+        "functional_call": "generated/torch.func.functional_call.html",
+        "F.cross_entropy": "generated/torch.nn.functional.cross_entropy.html",
+        "benchmark.Timer": "benchmark_utils.html#torch.utils.benchmark.Timer",
+    }
+    for name, target in expected.items():
+        assert name in linked, f"{name} is not linked in any code block"
+        assert linked[name].startswith("https://docs.pytorch.org/docs/stable/")
+        assert target in linked[name], linked[name]
+
+
+def test_the_api_page_lists_each_torch_func_function_with_its_examples(site):
+    page = soup(site.html / "api.html")
+    sections = {s.h2.get_text().strip("#¶ "): s for s in page.select("section") if s.h2}
+    for name in [
+        "vmap",
+        "grad",
+        "jacrev",
+        "jacfwd",
+        "hessian",
+        "vjp",
+        "functional_call",
+    ]:
+        assert name in sections, f"{name} missing from the API page: {sorted(sections)}"
+        section = sections[name]
+        reference = section.select_one("a.reference.external[href]")
+        assert reference["href"].startswith(
+            "https://docs.pytorch.org/docs/stable/generated/"
+        )
+        assert (
+            f"torch.func.{name}" in reference["href"]
+            or f"torch.{name}" in reference["href"]
+        )
+        thumbnails = section.select("div.sphx-glr-thumbcontainer a[href]")
+        assert thumbnails, f"{name}: no mini-gallery"
+        for link in thumbnails:
+            assert (site.html / link["href"]).is_file(), link["href"]
+    source_uses = {
+        name
+        for name in sections
+        if any(name in (REPO / "examples" / e).read_text() for e in EXAMPLES)
+    }
+    assert source_uses == set(sections)

@@ -9,7 +9,7 @@ import zipfile
 import nbformat
 import pytest
 from bs4 import BeautifulSoup
-from conftest import EXAMPLES, TEST_REPOSITORY, copy_sources, make
+from helpers import EXAMPLES, TEST_REPOSITORY, copy_sources, make
 from nbclient import NotebookClient
 
 CELL_TIMEOUT_S = 300

@@ -1,0 +1,56 @@
+"""What the tests share: where things are, a clean copy of the sources, and the front door."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from bs4 import BeautifulSoup
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = ["conf.py", "Makefile", "requirements.txt", "docs", "examples", "tools"]
+GENERATED = shutil.ignore_patterns(
+    "auto_examples", "gen_modules", "sg_execution_times.rst", "__pycache__"
+)
+EXAMPLES = sorted(
+    p.relative_to(REPO / "examples") for p in (REPO / "examples").rglob("plot_*.py")
+)
+# The repository the tests pretend to publish from: it turns on the "Run in Google Colab" button.
+TEST_REPOSITORY = "example-owner/torch-func-by-example"
+# GitHub Pages serves that repository's site under this path, and so does the test server.
+PAGES_PREFIX = "/torch-func-by-example/"
+
+
+def copy_sources(destination: Path, examples=None) -> Path:
+    """A clean copy of what `make html` reads: no generated gallery, no earlier build.
+
+    With `examples` (file names), the copy holds only those examples.
+    """
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, destination / name, ignore=GENERATED)
+        else:
+            shutil.copy2(source, destination / name)
+    if examples is not None:
+        for example in (destination / "examples").glob("plot_*.py"):
+            if example.name not in examples:
+                example.unlink()
+    return destination
+
+
+def make(
+    tree: Path, *args: str, repository: str = TEST_REPOSITORY, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """Run the real front door, `make ...`, in `tree` with this interpreter."""
+    command = ["make", "-C", str(tree), *args, f"PY={sys.executable}", "NEEDS="]
+    env = {**os.environ, "GITHUB_REPOSITORY": repository}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def soup(path):
+    return BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")

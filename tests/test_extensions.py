@@ -1,0 +1,203 @@
+"""The site's Sphinx extensions (docs/sphinxext) and tools, on small inputs: seconds, no build."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+from docutils import nodes
+from docutils.frontend import get_default_settings
+from docutils.parsers.rst import Parser
+from docutils.utils import new_document
+from helpers import REPO
+from sphinx import addnodes
+from sphinx.errors import ExtensionError
+
+sys.path[:0] = [str(REPO / "docs" / "sphinxext"), str(REPO / "tools")]
+
+import api_reference  # noqa: E402
+import example_buttons  # noqa: E402
+import not_found_links  # noqa: E402
+import notebook_install_cell  # noqa: E402
+import offline_assets  # noqa: E402
+import reading_order  # noqa: E402
+import reproduce  # noqa: E402
+import thumbnail_alt_text  # noqa: E402
+
+
+def test_reading_order_follows_the_index_and_puts_unlisted_examples_last():
+    index = "\n:doc:`auto_examples/plot_b`\n:doc:`auto_examples/plot_a`\n"
+    assert reading_order.listed_examples(index) == ["plot_b", "plot_a"]
+    key = reading_order.ReadingOrder("examples")
+    key.order = ["plot_b", "plot_a"]
+    files = ["plot_a.py", "plot_c.py", "plot_b.py", "plot_0.py"]
+    assert sorted(files, key=key) == [
+        "plot_b.py",
+        "plot_a.py",
+        "plot_0.py",
+        "plot_c.py",
+    ]
+    assert repr(key) == "ReadingOrder"  # stable, so Sphinx sees an unchanged config
+
+
+def test_install_cell_pins_what_requirements_pin_and_names_what_is_missing():
+    text = "torch==2.13.0\nMatplotlib==3.11.2\n"
+    assert notebook_install_cell.pinned_version("torch", text) == "2.13.0"
+    assert notebook_install_cell.pinned_version("matplotlib", text) == "3.11.2"
+    with pytest.raises(ValueError, match="pins no version of opacus"):
+        notebook_install_cell.pinned_version("opacus", text)
+    cell = notebook_install_cell.install_cell()
+    assert "%pip install torch==" in cell and " matplotlib==" in cell
+    assert 'find_spec(name) for name in ("torch", "matplotlib",)' in cell
+
+
+def example_doctree(with_python_download=True):
+    """A doctree shaped like a sphinx-gallery example page, with its download footer."""
+    document = new_document("example", get_default_settings(Parser))
+    section = nodes.section()
+    section += nodes.title(text="An example")
+    section += nodes.paragraph(text="What you will learn.")
+    footer = nodes.container(classes=["sphx-glr-footer", "sphx-glr-footer-example"])
+    downloads = [("jupyter", "plot_x.ipynb")]
+    if with_python_download:
+        downloads.append(("python", "plot_x.py"))
+    for kind, target in downloads:
+        box = nodes.container(
+            classes=["sphx-glr-download", f"sphx-glr-download-{kind}"]
+        )
+        link = addnodes.download_reference(reftarget=target, filename=f"0a1b/{target}")
+        link += nodes.literal(text=f"Download {target}")
+        box += nodes.paragraph("", "", link)
+        footer += box
+    section += footer
+    document += section
+    return document
+
+
+def fake_app(repository):
+    config = SimpleNamespace(
+        colab_notebooks={"repository": repository, "branch": "gh-pages"}
+    )
+    return SimpleNamespace(config=config)
+
+
+def test_buttons_go_right_under_the_title_with_colab_first():
+    doctree = example_doctree()
+    example_buttons.add_buttons(fake_app("owner/repo"), doctree, "auto_examples/plot_x")
+    section = next(iter(doctree.findall(nodes.section)))
+    buttons = section[1]
+    assert "example-buttons" in buttons["classes"]
+    colab = next(iter(buttons.findall(nodes.reference)))
+    assert colab.astext() == "Run in Google Colab"
+    assert colab["refuri"] == (
+        "https://colab.research.google.com/github/owner/repo/blob/gh-pages"
+        "/_downloads/0a1b/plot_x.ipynb"
+    )
+    downloads = list(buttons.findall(addnodes.download_reference))
+    assert [d.astext() for d in downloads] == [
+        "Download notebook",
+        "Download Python source",
+    ]
+    assert [d["filename"] for d in downloads] == ["0a1b/plot_x.ipynb", "0a1b/plot_x.py"]
+
+
+def test_without_a_repository_there_is_no_colab_button():
+    doctree = example_doctree()
+    example_buttons.add_buttons(fake_app(""), doctree, "auto_examples/plot_x")
+    buttons = next(iter(doctree.findall(nodes.section)))[1]
+    assert "Colab" not in buttons.astext()
+
+
+def test_a_changed_download_footer_fails_loudly_naming_the_page():
+    with pytest.raises(ExtensionError, match="auto_examples/plot_x: sphinx-gallery"):
+        example_buttons.add_buttons(
+            fake_app(""),
+            example_doctree(with_python_download=False),
+            "auto_examples/plot_x",
+        )
+
+
+def test_pages_that_are_not_examples_get_no_buttons():
+    document = new_document("index", get_default_settings(Parser))
+    document += nodes.section("", nodes.title(text="Index"))
+    example_buttons.add_buttons(fake_app("owner/repo"), document, "index")
+    assert "example-buttons" not in document.pformat()
+
+
+def test_a_thumbnail_takes_the_alt_text_of_its_examples_first_figure():
+    example = new_document("example", get_default_settings(Parser))
+    example += nodes.image(uri="a.png", alt="", classes=["other"])
+    example += nodes.image(
+        uri="b.png", alt="Bars of time", classes=["sphx-glr-single-img"]
+    )
+    example += nodes.image(uri="c.png", alt="Later", classes=["sphx-glr-single-img"])
+    assert thumbnail_alt_text.first_figure_alt(example) == "Bars of time"
+
+    gallery = new_document("gallery", get_default_settings(Parser))
+    thumb = nodes.image(
+        uri="auto_examples/images/thumb/sphx_glr_plot_x_thumb.png", alt=""
+    )
+    missing = nodes.image(uri="auto_examples/images/thumb/sphx_glr_plot_y_thumb.png")
+    gallery += [thumb, missing]
+    env = SimpleNamespace(
+        found_docs={"auto_examples/plot_x"}, get_doctree=lambda name: example
+    )
+    thumbnail_alt_text.describe_thumbnails(
+        SimpleNamespace(env=env), gallery, "auto_examples/index"
+    )
+    assert thumb["alt"] == "Bars of time"
+    assert missing["alt"] == thumbnail_alt_text.NOT_RUN
+
+
+def test_execution_times_pages_lose_their_cdn_scripts_and_keep_the_table():
+    doctree = new_document("times", get_default_settings(Parser))
+    doctree += nodes.raw("", '<script src="https://cdn.example/jquery.js"></script>')
+    doctree += nodes.table()
+    app = SimpleNamespace(env=SimpleNamespace(docname="sg_execution_times"))
+    offline_assets.drop_cdn_assets(app, doctree)
+    assert not list(doctree.findall(nodes.raw)) and list(doctree.findall(nodes.table))
+
+    other = new_document("other", get_default_settings(Parser))
+    other += nodes.raw("", "<b>kept</b>")
+    offline_assets.drop_cdn_assets(
+        SimpleNamespace(env=SimpleNamespace(docname="x")), other
+    )
+    assert list(other.findall(nodes.raw))
+
+
+def test_the_api_page_lists_only_the_functions_that_examples_use(tmp_path):
+    (tmp_path / "torch.vmap.examples").write_text(".. thumbnails of examples\n")
+    (tmp_path / "torch.func.jacrev.examples").write_text(".. thumbnails\n")
+    (tmp_path / "torch.func.grad.examples").write_text("")  # recorded, but no example
+    (tmp_path / "torch.func.not_a_function.examples").write_text("x\n")
+    assert api_reference.used_functions(tmp_path) == {
+        "jacrev": ["torch.func.jacrev"],
+        "vmap": ["torch.vmap"],
+    }
+    assert api_reference.summary("vmap") == api_reference.DESCRIPTIONS["vmap"]
+    assert ":" not in api_reference.summary("linearize").split("``")[0]
+
+
+def test_reproduce_matches_a_ratio_across_runs_whatever_the_timings_printed():
+    page = (
+        "B=   8: loop     8.23 ms, vmap    0.86 ms -> 9.55x faster\nall 1.5x of 2.0x\n"
+    )
+    fresh = (
+        "B=   8: loop    18.23 ms, vmap   10.86 ms -> 1.68x faster\nall 1.4x of 2.1x\n"
+    )
+    on_page, in_run = reproduce.ratios(page), reproduce.ratios(fresh)
+    assert set(on_page) == set(in_run) and len(on_page) == 3
+    assert sorted(v for v, _ in in_run.values()) == [1.4, 1.68, 2.1]
+    first = next(iter(on_page.values()))
+    assert first == (9.55, "B=   8: loop     8.23 ms, vmap    0.86 ms -> □x faster")
+
+
+def test_the_404_pages_own_links_start_at_the_sites_root():
+    doctree = new_document("404", get_default_settings(Parser))
+    inside = nodes.reference(refuri="auto_examples/index.html", internal=True)
+    anchor = nodes.reference(refuri="#top", internal=True)
+    outside = nodes.reference(refuri="https://pytorch.org/", internal=False)
+    doctree += nodes.paragraph("", "", inside, anchor, outside)
+    config = SimpleNamespace(notfound_pagename="404", notfound_urls_prefix="/site/")
+    not_found_links.absolute_links(SimpleNamespace(config=config), doctree, "404")
+    assert inside["refuri"] == "/site/auto_examples/index.html"
+    assert anchor["refuri"] == "#top" and outside["refuri"] == "https://pytorch.org/"
