@@ -111,7 +111,7 @@ def check(result, reference64, what, bound=1e-5):
     return error
 
 
-def median_times_ms(methods, rounds=5, min_run_time=0.1):
+def median_times_ms(methods, rounds=9, min_run_time=0.1):
     """Median time of each method in ``{name: fn}``, in ms, using all of torch's threads.
 
     Each method is called three times untimed first, so that caches, lazy initialisation and

@@ -283,12 +283,12 @@ check_each_parameter(loop_grads, reference_grads, 1e-2, "loop, float32")
 # --------------------------------------------
 # We time with :mod:`torch.utils.benchmark`, which synchronises the GPU and repeats each call in
 # blocks until a minimum time has passed. After a warm-up, the three methods take turns for
-# five rounds, and each one's median is reported. The batched
-# backward is the floor: a per-sample method does the same multiply-adds, and must also write
-# ``B`` gradients instead of one, so it cannot be faster.
+# nine rounds, and each one's median is reported. The batched backward is the floor: a
+# per-sample method does the same multiply-adds, and must also write ``B`` gradients instead of
+# one, so it cannot be faster.
 
 
-def median_times_ms(methods, rounds=5, min_run_time=0.2):
+def median_times_ms(methods, rounds=9, min_run_time=0.2):
     """Median time of each method in ``{name: fn}``, in ms, using all of torch's threads.
 
     Each method is called three times untimed first, so that caches, lazy initialisation and
@@ -349,8 +349,10 @@ print(
 # every block above 128 KiB comes fresh from the kernel and goes back when it is freed. Each
 # call then pays for page faults and for zeroing every page it touches, which is what a
 # program pays whenever glibc's defaults happen to hand out fresh pages. Afterwards we switch
-# back. On a GPU, PyTorch's caching allocator keeps freed blocks itself, so there is nothing to
-# compare.
+# back. How much fresh pages cost depends on the machine and the operating system, and on a
+# virtual machine also on whether the host has backed that memory before, so expect these
+# ratios to move between runs more than the others on this page. On a GPU, PyTorch's caching
+# allocator keeps freed blocks itself, so there is nothing to compare.
 
 
 def use_fresh_pages():

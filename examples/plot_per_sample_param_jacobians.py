@@ -110,7 +110,7 @@ torch.set_float32_matmul_precision("highest")
 M_MMAP_THRESHOLD = -3  # from glibc's <malloc.h>, like the two above
 
 
-def median_times_ms(methods, rounds=5, min_run_time=0.1):
+def median_times_ms(methods, rounds=9, min_run_time=0.1):
     """Median time of each method in ``{name: fn}``, in ms, using all of torch's threads.
 
     Each method is called three times untimed first, so that caches, lazy initialisation and

@@ -306,10 +306,17 @@ def test_phone_sized_viewport_never_scrolls_sideways(visit, path):
 
 
 @pytest.mark.parametrize(
-    "path", ["index.html", "auto_examples/index.html", EXAMPLE_PAGES[0]]
+    "path, status",
+    [
+        ("index.html", 200),
+        ("auto_examples/index.html", 200),
+        ("api.html", 200),
+        (EXAMPLE_PAGES[0], 200),
+        ("no/such/page.html", 404),
+    ],
 )
-def test_no_serious_accessibility_violations(visit, path):
-    page = visit(path).page
+def test_no_serious_accessibility_violations(visit, path, status):
+    page = visit(path, expect_status=status).page
     results = Axe().run(page)
     serious = [
         f"{v['id']} ({v['impact']}): {v['help']} - {[n['target'] for n in v['nodes']][:5]}"
