@@ -139,7 +139,10 @@ def cuda_peak_bytes(fn):
     """Peak of live CUDA memory during fn(), above where it started, from the allocator's
     record of this call (the global peak counters are left alone)."""
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    # Record allocations and frees only (no stack traces), starting from an empty history.
+    torch.cuda.memory._record_memory_history(
+        context=None, clear_history=True, max_entries=1_000_000
+    )
     try:
         fn()
         torch.cuda.synchronize()
