@@ -29,14 +29,14 @@ def full_names(name):
 
 def used_functions(backreferences_dir):
     """{name: the full names that examples use it by}, for the torch.func functions in use."""
+
+    def recorded(full):
+        record = Path(backreferences_dir) / f"{full}.examples"
+        return record.is_file() and bool(record.read_text(encoding="utf-8").strip())
+
     used = {}
     for name in sorted(torch.func.__all__):
-        records = [
-            full
-            for full in full_names(name)
-            if (Path(backreferences_dir) / f"{full}.examples").is_file()
-            and (Path(backreferences_dir) / f"{full}.examples").read_text().strip()
-        ]
+        records = [full for full in full_names(name) if recorded(full)]
         if records:
             used[name] = records
     return used
