@@ -80,10 +80,14 @@ sphinx_gallery_conf = {
     else re.escape(os.sep) + "plot_",
     # The gallery follows the reading order of the index page.
     "within_subsection_order": "reading_order.ReadingOrder",
-    # Notebooks open with a cell that installs torch and matplotlib where they are missing.
+    # Notebooks open with a cell that installs what their example imports, where missing.
     "first_notebook_cell": install_cell(),
-    # Seeds, torch's global settings and matplotlib are reset before every example.
-    "reset_modules": ("matplotlib", "reset_between_examples.reset_state"),
+    # Before every example: reset seeds, torch's settings and matplotlib; pick its install cell.
+    "reset_modules": (
+        "matplotlib",
+        "reset_between_examples.reset_state",
+        "notebook_install_cell.first_cell_for_example",
+    ),
     # CUDA peak memory on GPU builds, nothing on the CPU.
     "show_memory": memory_reporter(),
     # Mini-galleries of the examples that use each torch name, for the API page.

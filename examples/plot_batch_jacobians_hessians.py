@@ -51,7 +51,7 @@ def describe_hardware():
 print(describe_hardware())
 
 # One colour per method, the same on every page of this site: colour-blind-safe hues from
-# Okabe and Ito's palette (and Tol's wine). Black is kept for guides: thresholds, fits, markers.
+# Okabe and Ito's palette and Tol's. Black is kept for guides: thresholds, fits, markers.
 METHOD_COLORS = {
     "loop": "#D55E00",
     "vmap": "#009E73",
@@ -61,6 +61,13 @@ METHOD_COLORS = {
     "hessian": "#56B4E9",
     "jacrev(jacfwd)": "#882255",
     "sum trick": "#CC79A7",
+    "vmap chunked": "#44AA99",
+    "compiled": "#117733",
+    "expanded weights": "#332288",
+    "opacus": "#AA4499",
+    "hand-written": "#999933",
+    "ghost clipping": "#CC6677",
+    "book-keeping": "#6699CC",
 }
 
 # %%

@@ -51,9 +51,8 @@ def test_every_notebook_validates_against_the_format(site):
         notebook = nbformat.read(path, as_version=4)
         nbformat.validate(notebook)
         first_code = next(cell for cell in notebook.cells if cell.cell_type == "code")
-        assert "%pip install torch==" in first_code.source, (
-            f"{path.name}: no install cell"
-        )
+        assert '"torch": "torch==' in first_code.source, f"{path.name}: no install cell"
+        assert "%pip install" in first_code.source, f"{path.name}: no install cell"
 
 
 def test_execution_times_page_lists_every_example(site):

@@ -1,5 +1,6 @@
 """What a reader downloads from the built site: notebooks, scripts and zips, run for real."""
 
+import ast
 import os
 import re
 import subprocess
@@ -9,7 +10,7 @@ import zipfile
 import nbformat
 import pytest
 from bs4 import BeautifulSoup
-from helpers import EXAMPLES, TEST_REPOSITORY, copy_sources, make
+from helpers import EXAMPLES, REPO, TEST_REPOSITORY, copy_sources, make
 from nbclient import NotebookClient
 
 CELL_TIMEOUT_S = 300
@@ -57,8 +58,15 @@ def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(site, example, tmp_path):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
-def test_script_runs_with_plain_python(site, example, tmp_path):
+def test_script_is_the_example_itself(site, example):
+    """The download is the source that the build ran (and the notebook test runs again)."""
     script = downloaded(site, f"{example.stem}.py")
+    assert script.read_bytes() == example.read_bytes()
+
+
+def test_a_script_runs_with_plain_python(site, tmp_path):
+    """Outside Sphinx and Jupyter: no __file__ tricks, no IPython. The quickest example."""
+    script = downloaded(site, "plot_batch_jacobians_hessians.py")
     env = {**os.environ, "MPLBACKEND": "Agg"}
     result = subprocess.run(
         [sys.executable, str(script)],
@@ -70,6 +78,68 @@ def test_script_runs_with_plain_python(site, example, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "threads" in result.stdout
+
+
+# Run before a notebook's install cell: %pip only records what it was asked to install, and
+# the packages named in HIDDEN look missing, as on a machine without them.
+FAKE_MACHINE = """
+import importlib.util
+from IPython.core.magic import register_line_magic
+
+pip_calls = []
+
+
+def pip(line):
+    pip_calls.append(line)
+
+
+register_line_magic(pip)  # replaces the real %pip in this kernel
+real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *args: (
+    None if name in HIDDEN else real_find_spec(name, *args)
+)
+"""
+
+
+def run_install_cell(notebook_path, hidden, tmp_path):
+    """The %pip lines that a notebook's first cell runs when `hidden` packages are missing."""
+    notebook = nbformat.read(notebook_path, as_version=4)
+    install = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    run = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(f"HIDDEN = {sorted(hidden)!r}\n{FAKE_MACHINE}"),
+            install,
+            nbformat.v4.new_code_cell("print(repr(pip_calls))"),
+        ]
+    )
+    client = NotebookClient(
+        run,
+        timeout=60,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    return ast.literal_eval(run.cells[-1].outputs[0]["text"])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_each_notebook_installs_exactly_what_its_example_imports_where_missing(
+    site, example, tmp_path
+):
+    notebook = downloaded(site, f"{example.stem}.ipynb")
+    source = example.read_text(encoding="utf-8")
+    extras = {"opacus": "opacus", "sklearn": "scikit-learn"}
+    imported = {m for m in extras if re.search(rf"^(from|import) {m}\b", source, re.M)}
+    requirements = (REPO / "requirements.txt").read_text(encoding="utf-8")
+
+    def pin(dist):
+        return re.search(rf"^{dist}==\S+", requirements, re.M).group(0)
+
+    assert run_install_cell(notebook, set(), tmp_path) == []  # all present: nothing
+    hidden = {"torch", *imported}  # matplotlib stays: present packages are left alone
+    (line,) = run_install_cell(notebook, hidden, tmp_path)
+    expected = [pin({"torch": "torch", **extras}[module]) for module in hidden]
+    assert line.split()[0] == "install" and sorted(line.split()[1:]) == sorted(expected)
 
 
 @pytest.mark.parametrize("kind", ["python", "jupyter"])

@@ -46,8 +46,22 @@ def test_install_cell_pins_what_requirements_pin_and_names_what_is_missing():
     with pytest.raises(ValueError, match="pins no version of opacus"):
         notebook_install_cell.pinned_version("opacus", text)
     cell = notebook_install_cell.install_cell()
-    assert "%pip install torch==" in cell and " matplotlib==" in cell
-    assert 'find_spec(name) for name in ("torch", "matplotlib",)' in cell
+    assert '"torch": "torch==2.13.0"' in cell and '"matplotlib": "matplotlib==' in cell
+    assert "%pip install" in cell
+
+
+def test_install_cell_names_what_an_example_imports_by_its_pip_name():
+    source = (
+        "import os\nimport torch.nn.functional as F\nfrom sklearn.datasets import x\n"
+        "from opacus import GradSampleModule\nimport matplotlib.pyplot as plt\n"
+        "from . import local\n"
+    )
+    assert notebook_install_cell.needed_packages(source) == (
+        ("matplotlib", "matplotlib"),
+        ("opacus", "opacus"),
+        ("sklearn", "scikit-learn"),
+        ("torch", "torch"),
+    )
 
 
 def example_doctree(with_python_download=True):
