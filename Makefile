@@ -13,6 +13,12 @@ EXAMPLE ?=
 EXAMPLES := $(sort $(basename $(notdir $(wildcard examples/plot_*.py))))
 SPHINXOPTS ?=
 LINTED  := examples tests docs tools conf.py
+# Spelling (codespell) of what readers read; reST markup (sphinx-lint) of the hand-written pages.
+SPELLED := examples docs README.md
+NOT_SPELLED := docs/auto_examples,docs/gen_modules,docs/_inventories,docs/sg_execution_times.rst
+# Names codespell takes for typos: Bu (Bu et al., 2023, on the DP-SGD page).
+NOT_TYPOS := bu
+MARKUP  := $(filter-out docs/sg_execution_times.rst,$(wildcard docs/*.rst)) examples/README.rst
 # make reproduce: fresh runs per example, and where the full report goes (the timings page shows it)
 RUNS    ?= 5
 REPORT  ?= docs/measured/reproduce-report.txt
@@ -65,9 +71,11 @@ test: $(NEEDS)  ## Run the test suite (it builds its own copy of the site)
 	  { echo "error: no browser '$(CHROMIUM)' for the browser tests: apt-get install chromium, or set CHROMIUM=/path/to/chrome" >&2; exit 1; }
 	CHROMIUM="$$(command -v "$(CHROMIUM)")" $(PY) -m pytest tests
 
-lint: $(NEEDS)  ## Check the code style of examples, tests, docs and tools with ruff
+lint: $(NEEDS)  ## Code style (ruff), spelling (codespell) and reST markup (sphinx-lint)
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
+	$(PY) -m codespell_lib --skip '$(NOT_SPELLED)' --ignore-words-list $(NOT_TYPOS) $(SPELLED)
+	$(PY) -m sphinxlint $(MARKUP)
 
 reproduce: known-example $(NEEDS)  ## Run each built example's download RUNS times afresh; compare its ratios with the page
 	$(PY) tools/reproduce.py --runs $(RUNS) $(if $(EXAMPLE),--example $(basename $(EXAMPLE)),--report $(REPORT))

@@ -10,8 +10,7 @@ network in three ways: a Python loop over samples, the ``torch.func`` compositio
 already does. You will learn how to turn a module into a pure function with
 ``functional_call``, why ``in_dims=(None, None, 0, 0)`` is the whole trick, how to check the
 result parameter by parameter against a float64 reference, what speedup to expect on the
-hardware you have and what fresh memory costs on a CPU, how to clip per-sample gradients, and
-which mistakes ``vmap`` catches for you and which it lets through silently.
+hardware you have and what fresh memory costs on a CPU, and how to clip per-sample gradients.
 """
 
 # %%
@@ -25,14 +24,13 @@ import os
 import platform
 import re
 import statistics
-import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
+from torch.func import functional_call, grad, vmap
 from torch.utils import benchmark
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -500,138 +498,11 @@ ax.legend()
 plt.show()
 
 # %%
-# Which mistakes ``vmap`` catches, and which it does not
-# -------------------------------------------------------
+# What ``vmap`` cannot do
+# -----------------------
 # ``vmap`` runs your function once, with batched tensors standing in for single samples. Some
-# code cannot work that way, and ``vmap`` raises an error for it. Other code runs without
-# complaint and computes something you did not mean. Each case below is run: where ``vmap``
-# raises, we check the type of the error and a stable part of its message, and print the
-# message in full.
-
-
-def expect_error(fn, error_type, fragment):
-    """Run fn, which must raise error_type with fragment in its message; print the message."""
-    try:
-        fn()
-    except error_type as error:
-        message = str(error)
-        assert fragment in message, f"unexpected message: {message}"
-        print(f"{type(error).__name__}:")
-        print(textwrap.fill(" ".join(message.split()), width=88))
-        return
-    raise AssertionError(f"expected {error_type.__name__} containing {fragment!r}")
-
-
-samples = torch.randn(4, 3, device=device)
-
-# %%
-# **Caught: in-place writes into an unbatched tensor.** ``torch.zeros(shape)`` inside the
-# function makes one tensor, not one per sample, so copying a batched sample into it cannot
-# work. ``x.new_zeros(...)`` or ``torch.zeros_like(x)`` makes a batched tensor, and out-of-place
-# code never has the problem.
-expect_error(
-    lambda: vmap(lambda x: torch.zeros(x.shape, device=x.device).copy_(x))(samples),
-    RuntimeError,
-    "inplace arithmetic",
-)
-torch.testing.assert_close(
-    vmap(lambda x: torch.zeros_like(x).copy_(x))(samples), samples
-)
-
-# %%
-# **Caught: Python control flow on values.** ``if tensor:`` and ``.item()`` need one concrete
-# number, but a batched tensor holds one per sample. :func:`torch.where` chooses element-wise.
-expect_error(
-    lambda: vmap(lambda x: x if x.sum() > 0 else -x)(samples),
-    RuntimeError,
-    "data-dependent control flow",
-)
-expect_error(lambda: vmap(lambda x: x.sum().item())(samples), RuntimeError, ".item()")
-flipped = vmap(lambda x: torch.where(x.sum() > 0, x, -x))(samples)
-assert (flipped.sum(dim=1) >= 0).all()
-
-# %%
-# **Caught: randomness.** By default ``vmap`` refuses random operations such as dropout,
-# because it cannot know whether you want the same mask for every sample or a different one.
-# Say which with ``randomness="same"`` or ``"different"``.
-expect_error(
-    lambda: vmap(lambda x: F.dropout(x, 0.5))(samples), RuntimeError, "randomness"
-)
-same_masks = vmap(lambda x: F.dropout(torch.ones_like(x), 0.5), randomness="same")(
-    samples
-)
-assert (same_masks == same_masks[0]).all()
-
-# %%
-# **Not caught: Python side effects run once.** The function body runs once for the whole
-# batch, so a counter, a print or an append to a list happens once, not once per sample.
-calls = []
-vmap(lambda x: calls.append(x.shape) or x * 2)(samples)
-print(f"vmap over {len(samples)} samples ran the Python body {len(calls)} time(s)")
-assert len(calls) == 1
-
-# %%
-# **Not caught: reductions over "the batch dimension".** Inside ``vmap`` each sample has lost
-# its batch axis, so ``x.mean(dim=0)`` averages over the sample's own first axis (here its 3
-# features) instead of over the batch. The result has the right shape and is silently a
-# different computation.
-centred = vmap(lambda x: x - x.mean(dim=0))(samples)
-torch.testing.assert_close(centred, samples - samples.mean(dim=1, keepdim=True))
-assert not torch.allclose(centred, samples - samples.mean(dim=0))
-
-# %%
-# BatchNorm: what each remedy computes
-# ------------------------------------
-# Training-mode batch norm normalises each sample with statistics of the *whole batch*, so a
-# per-sample gradient of it is not well defined, and updating the running statistics is an
-# in-place write. The usual remedies are not equivalent: each one computes a different
-# function. We map over single images of shape (3, 5, 5) and compare with the layer applied to
-# the batch.
-images_for_bn = torch.randn(8, 3, 5, 5, device=device)
-batch_norm = nn.BatchNorm2d(3).to(device)
-expect_error(
-    lambda: vmap(lambda x: batch_norm(x.unsqueeze(0)))(images_for_bn),
-    RuntimeError,
-    "running_mean or running_var",
-)
-
-# %%
-# **eval() mode** normalises with the running statistics, which do not depend on the batch.
-# Per-sample and batched results agree: this is the model as it runs at inference time.
-batch_norm.eval()
-per_sample_eval = vmap(lambda x: batch_norm(x.unsqueeze(0)).squeeze(0))(images_for_bn)
-torch.testing.assert_close(per_sample_eval, batch_norm(images_for_bn))
-
-# %%
-# **track_running_stats=False** (or :func:`~torch.func.replace_all_batch_norm_modules_`, which
-# switches it off in place) lets training mode run under ``vmap``. But each call now sees one
-# sample, so ``BatchNorm2d`` normalises every image by its *own* mean and variance per channel:
-# that is instance normalisation, a different model from the batch-mode layer. For
-# ``BatchNorm1d`` a single sample has one value per channel, and it refuses outright.
-per_sample_bn = nn.BatchNorm2d(3).to(device)
-replace_all_batch_norm_modules_(per_sample_bn)
-per_sample_train = vmap(lambda x: per_sample_bn(x.unsqueeze(0)).squeeze(0))(
-    images_for_bn
-)
-torch.testing.assert_close(
-    per_sample_train, F.instance_norm(images_for_bn, eps=per_sample_bn.eps)
-)
-batch_mode = per_sample_bn(images_for_bn)  # the same layer, given the whole batch
-difference = ((per_sample_train - batch_mode).norm() / batch_mode.norm()).item()
-print(f"per-sample vs batch-mode normalisation: relative difference {difference:.2f}")
-assert difference > 0.05
-
-features_bn = nn.BatchNorm1d(3, track_running_stats=False).to(device)
-expect_error(
-    lambda: vmap(lambda x: features_bn(x.unsqueeze(0)))(samples),
-    ValueError,
-    "Expected more than 1 value per channel",
-)
-
-# %%
-# **GroupNorm** normalises each sample on its own by design, so per-sample and batched results
-# are the same function.
-group_norm = nn.GroupNorm(num_groups=1, num_channels=3).to(device)
-per_sample_group = vmap(lambda x: group_norm(x.unsqueeze(0)).squeeze(0))(images_for_bn)
-torch.testing.assert_close(per_sample_group, group_norm(images_for_bn))
-print("eval(), instance-style and GroupNorm behave as described")
+# code cannot work that way and raises an error (in-place writes into new tensors, ``.item()``,
+# control flow on values, random operations); other code runs and silently computes something
+# else (reductions over "the batch", Python side effects, BatchNorm in training mode). The
+# :doc:`pitfalls page <plot_pitfalls>` runs each case, with the error or the wrong result and
+# the fix.

@@ -6,6 +6,7 @@ pages in a real browser), test_workflows.py (the CI that builds and publishes th
 test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 """
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,39 @@ def site(tmp_path_factory) -> Site:
         pytest.fail(
             f"`make html` failed with exit code {result.returncode}:\n{log[-6000:]}"
         )
+    BUILT_TREES.append(tree)
     return Site(tree=tree, html=tree / "_build" / "html", log=log)
+
+
+BUILT_TREES = []  # the site fixture's build, for the time report at the end
+
+
+def example_times(execution_times_rst):
+    """(seconds, example) for each example on sphinx-gallery's execution-times page."""
+    rows = re.findall(
+        r"\(``\.\./examples/(plot_\w+\.py)``\)\s*\n\s*- (\d+):(\d+\.\d+)",
+        execution_times_rst,
+    )
+    return sorted(
+        ((int(minutes) * 60 + float(seconds), name) for name, minutes, seconds in rows),
+        reverse=True,
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The five slowest examples of this run's build: a report, not a test."""
+    if not BUILT_TREES:
+        return
+    times_page = BUILT_TREES[0] / "docs" / "sg_execution_times.rst"
+    times = example_times(times_page.read_text(encoding="utf-8"))
+    terminalreporter.section(
+        "five slowest examples (from sphinx-gallery's execution times)"
+    )
+    for seconds, name in times[:5]:
+        terminalreporter.write_line(f"{seconds:6.1f} s  {name}")
+    terminalreporter.write_line(
+        f"{sum(s for s, _ in times):6.1f} s  all {len(times)} examples"
+    )
 
 
 def pytest_collection_modifyitems(items):

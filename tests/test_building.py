@@ -3,6 +3,7 @@
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -252,7 +253,7 @@ def test_a_wrong_gradient_of_one_small_parameter_fails_its_check(tmp_path):
 def test_a_typo_does_not_pass_for_an_error_that_vmap_raises(tmp_path):
     result = run_mutated_example(
         tmp_path,
-        "plot_per_sample_grads.py",
+        "plot_pitfalls.py",
         "vmap(lambda x: x.sum().item())",
         "vmap(lambda x: x.sum().itme())",
     )
@@ -424,3 +425,59 @@ def test_the_api_page_lists_each_torch_func_function_with_its_examples(site):
         if any(name in (REPO / "examples" / e).read_text() for e in EXAMPLES)
     }
     assert source_uses == set(sections)
+
+
+# Debugging helpers of torch.func that no page needs to teach.
+DEBUG_HELPERS = {"debug_unwrap"}
+
+
+def test_every_torch_func_function_has_an_example_on_the_api_page(site):
+    """Every public torch.func function of the pinned torch is used by an executed example."""
+    page = soup(site.html / "api.html")
+    sections = {s.h2.get_text().strip("#¶ "): s for s in page.select("section") if s.h2}
+    covered = {
+        name
+        for name, section in sections.items()
+        if section.select("div.sphx-glr-thumbcontainer")
+    }
+    missing = sorted(set(torch.func.__all__) - DEBUG_HELPERS - covered)
+    assert not missing, f"torch.func functions no example uses: {missing}"
+
+
+def test_every_example_is_built_and_its_notebook_run_by_the_suite(site, request):
+    """An example the suite would not build and run (a new folder, a narrowed list) fails."""
+    on_disk = sorted(
+        p.relative_to(REPO / "examples") for p in (REPO / "examples").rglob("plot_*.py")
+    )
+    for example in on_disk:
+        assert site.page(example).is_file(), f"{example}: no page was built"
+    notebook_runs = {
+        item.callspec.params["example"]
+        for item in request.session.items
+        if item.originalname == "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
+    }
+    not_run = [str(e) for e in on_disk if e not in notebook_runs]
+    assert not not_run, f"examples whose notebook the suite does not run: {not_run}"
+
+
+def test_a_misspelling_or_broken_markup_fails_lint_naming_the_file(tmp_path):
+    tree = copy_sources(tmp_path)
+    shutil.copy2(REPO / "README.md", tree / "README.md")
+    shutil.copytree(
+        REPO / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    example = tree / "examples" / "plot_pitfalls.py"
+    clean = example.read_text(encoding="utf-8")
+    example.write_text(
+        clean.replace("# Two helpers", "# Two helpres", 1), encoding="utf-8"
+    )
+    result = make(tree, "lint")
+    assert result.returncode != 0
+    assert "plot_pitfalls.py" in result.stdout and "helpres" in result.stdout
+    example.write_text(clean, encoding="utf-8")
+    index = tree / "docs" / "index.rst"
+    index.write_text(index.read_text(encoding="utf-8") + "\nSee `vmap` for more.\n")
+    result = make(tree, "lint")
+    assert result.returncode != 0
+    assert "index.rst" in result.stdout + result.stderr
+    assert "default role" in result.stdout + result.stderr

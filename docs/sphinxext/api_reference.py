@@ -46,12 +46,23 @@ def used_functions(backreferences_dir):
 DESCRIPTIONS = {
     "functional_call": "Run a module with the parameters and buffers you pass instead of its "
     "own, which turns a module into a pure function of its weights.",
+    "functionalize": "Rewrite a function's in-place operations as out-of-place ones, with "
+    "the same result.",
     "grad": "The gradient of a scalar function, as a new function of the same arguments.",
+    "grad_and_value": "Like grad, but also returns the function's value, from the same "
+    "forward pass.",
     "hessian": "The Hessian of a function, computed as forward mode over reverse mode.",
     "jacfwd": "The Jacobian in forward mode: one Jacobian-vector product per input.",
     "jacrev": "The Jacobian in reverse mode: one vector-Jacobian product per output.",
+    "jvp": "The function's value and its Jacobian times a tangent vector, in forward mode.",
+    "linearize": "The function's value and a function that applies its Jacobian at that "
+    "point to any tangent, without re-running the forward pass.",
+    "rearrange": "Reorder, merge and split a tensor's dimensions with an einops-style "
+    "pattern.",
     "replace_all_batch_norm_modules_": "Stop every batch-norm layer of a module from "
     "tracking running statistics, in place, so that it runs under vmap.",
+    "stack_module_state": "Stack the parameters and buffers of several models of one "
+    "architecture, for running them together under vmap.",
     "vjp": "The function's value and a function that multiplies vectors by its Jacobian "
     "from the left.",
     "vmap": "Vectorise a function written for one sample so that it runs on a whole batch.",
