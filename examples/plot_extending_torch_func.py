@@ -282,4 +282,5 @@ for ax, (name, fn) in zip(axes, [("NumpyTanh", NumpyTanh), ("SoftClip", SoftClip
     ax.set_xlabel("x")
     ax.set_title(name)
     ax.legend(fontsize=8, loc="lower right")
+fig.suptitle("Two custom Functions, and the derivatives that grad finds through them")
 plt.show()

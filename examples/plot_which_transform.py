@@ -395,7 +395,7 @@ print("NTK trace:", tuple(kernel.shape))
 # %%
 # An ensemble of models in one call
 # ---------------------------------
-# *Taught in* :doc:`plot_functorch_migration`. :func:`~torch.func.stack_module_state` stacks
+# *Taught in* :doc:`plot_model_ensembling`. :func:`~torch.func.stack_module_state` stacks
 # eight models' weights; ``vmap`` over ``functional_call`` runs all eight at once on the same
 # batch.
 members = [Classifier().to(device) for _ in range(8)]

@@ -462,7 +462,8 @@ def test_every_example_is_built_and_its_notebook_run_by_the_suite(site, request)
 
 def test_a_misspelling_or_broken_markup_fails_lint_naming_the_file(tmp_path):
     tree = copy_sources(tmp_path)
-    shutil.copy2(REPO / "README.md", tree / "README.md")
+    for name in ["README.md", "ruff.toml"]:
+        shutil.copy2(REPO / name, tree / name)
     shutil.copytree(
         REPO / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__")
     )
