@@ -462,7 +462,8 @@ with warnings.catch_warnings():
                 counts_per_sample
             ),
             "vmap": lambda: vmap(histogram)(counts_per_sample),
-        }
+        },
+        min_run_time=0.2,
     )
 print(
     f"fallback {hist_ms['loop']:.2f} ms, batched rewrite {hist_ms['vmap']:.2f} ms: "

@@ -443,7 +443,7 @@ print("linearize and jvp agree on 16 tangents")
 # All recipes take turns in the same timing rounds; then each one's peak memory is measured
 # on its own. Three pairs compare the alternatives: ``jacfwd`` and ``jacrev`` for the tall and
 # the wide Jacobian, and ``linearize`` against repeated ``jvp`` calls.
-times = median_times_ms(recipes, rounds=5, min_run_time=0.02)
+times = median_times_ms(recipes, rounds=5, min_run_time=0.1)
 peaks = {name: peak_mib(fn) for name, fn in recipes.items()}
 for name, ms in times.items():
     peak = "" if peaks[name] is None else f"{peaks[name]:8.2f} MiB"

@@ -88,9 +88,16 @@ def test_no_page_loads_anything_from_another_host(site):
                 assert not re.match(r"(https?:)?//", url), f"{path.name} loads {url}"
 
 
+def small_site(tmp_path, examples=("plot_extending_torch_func.py",)):
+    """A copy of the sources with one quick example and an index that lists no other."""
+    tree = copy_sources(tmp_path, examples=set(examples))
+    (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX, encoding="utf-8")
+    return tree
+
+
 def test_a_broken_example_fails_the_build_and_is_named(tmp_path):
-    tree = copy_sources(tmp_path)
-    source = (tree / "examples" / "plot_batch_jacobians_hessians.py").read_text()
+    tree = small_site(tmp_path, examples=())
+    source = (REPO / "examples" / "plot_batch_jacobians_hessians.py").read_text()
     correct = "reference_jacobians = (1 - outputs64**2)[:, :, None] * weight64"
     assert correct in source
     broken = source.replace(
@@ -106,7 +113,7 @@ def test_a_broken_example_fails_the_build_and_is_named(tmp_path):
 
 
 def test_a_sphinx_warning_fails_the_build_every_time(tmp_path):
-    tree = copy_sources(tmp_path)
+    tree = small_site(tmp_path)
     with (tree / "docs" / "index.rst").open("a") as index:
         index.write("\nSee :doc:`a_page_that_does_not_exist`.\n")
     for attempt in ("first build", "rebuild with nothing changed"):
@@ -124,8 +131,8 @@ def test_examples_tests_and_docs_pass_the_linter():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-MINIMAL_INDEX = """Leak test
-=========
+MINIMAL_INDEX = """A small site
+============
 
 .. toctree::
 
@@ -362,7 +369,7 @@ def test_serve_before_a_build_says_to_build_first(tmp_path):
 
 
 def test_a_misspelt_api_name_fails_the_build_naming_the_page(tmp_path):
-    tree = copy_sources(tmp_path)
+    tree = small_site(tmp_path)
     with (tree / "docs" / "reading-timings.rst").open("a") as page:
         page.write("\nSee :func:`torch.func.vmapp`.\n")
     result = make(tree, "html-noplot")
@@ -469,16 +476,15 @@ def test_a_misspelling_or_broken_markup_fails_lint_naming_the_file(tmp_path):
     )
     example = tree / "examples" / "plot_pitfalls.py"
     clean = example.read_text(encoding="utf-8")
-    example.write_text(
-        clean.replace("# Two helpers", "# Two helpres", 1), encoding="utf-8"
-    )
+    planted = clean.replace("# Two helpers", "# Two helpers we recieve", 1)
+    example.write_text(planted, encoding="utf-8")
     result = make(tree, "lint")
     assert result.returncode != 0
-    assert "plot_pitfalls.py" in result.stdout and "helpres" in result.stdout
+    assert "plot_pitfalls.py:" in result.stdout and "recieve" in result.stdout
     example.write_text(clean, encoding="utf-8")
     index = tree / "docs" / "index.rst"
-    index.write_text(index.read_text(encoding="utf-8") + "\nSee `vmap` for more.\n")
+    index.write_text(index.read_text(encoding="utf-8") + "\nSee :func:vmap for more.\n")
     result = make(tree, "lint")
     assert result.returncode != 0
     assert "index.rst" in result.stdout + result.stderr
-    assert "default role" in result.stdout + result.stderr
+    assert "role-without-backticks" in result.stdout + result.stderr
