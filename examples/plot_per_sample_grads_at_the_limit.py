@@ -641,8 +641,7 @@ axes[1].set_xlabel("batch size")
 axes[1].set_ylabel("time / floor (memory reused)")
 axes[1].set_title(f"MLP on {device.type.upper()}")
 axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-for ax in axes:
-    ax.axvline(1, color="black", linestyle="--", linewidth=1) if ax is axes[0] else None
+axes[0].axvline(1, color="black", linestyle="--", linewidth=1)
 axes[1].axhline(1, color="black", linestyle="--", linewidth=1)
 axes[1].axhline(2, color="black", linestyle=":", linewidth=1)
 axes[0].axvline(2, color="black", linestyle=":", linewidth=1)

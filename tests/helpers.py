@@ -54,3 +54,22 @@ def make(
 
 def soup(path):
     return BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+
+
+MINIMAL_INDEX = """A small site
+============
+
+.. toctree::
+
+   auto_examples/index
+   api
+   reading-timings
+   sg_execution_times
+"""
+
+
+def small_site(tmp_path, examples=("plot_extending_torch_func.py",)):
+    """A copy of the sources with one quick example and an index that lists no other."""
+    tree = copy_sources(tmp_path, examples=set(examples))
+    (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX, encoding="utf-8")
+    return tree

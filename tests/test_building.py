@@ -10,7 +10,7 @@ import sys
 import nbformat
 import pytest
 import torch
-from helpers import EXAMPLES, REPO, copy_sources, make, soup
+from helpers import EXAMPLES, MINIMAL_INDEX, REPO, copy_sources, make, small_site, soup
 
 HEX_COLOUR = re.compile(r"#[0-9A-Fa-f]{6}\b")
 
@@ -88,13 +88,6 @@ def test_no_page_loads_anything_from_another_host(site):
                 assert not re.match(r"(https?:)?//", url), f"{path.name} loads {url}"
 
 
-def small_site(tmp_path, examples=("plot_extending_torch_func.py",)):
-    """A copy of the sources with one quick example and an index that lists no other."""
-    tree = copy_sources(tmp_path, examples=set(examples))
-    (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX, encoding="utf-8")
-    return tree
-
-
 def test_a_broken_example_fails_the_build_and_is_named(tmp_path):
     tree = small_site(tmp_path, examples=())
     source = (REPO / "examples" / "plot_batch_jacobians_hessians.py").read_text()
@@ -129,18 +122,6 @@ def test_a_sphinx_warning_fails_the_build_every_time(tmp_path):
 def test_examples_tests_and_docs_pass_the_linter():
     result = make(REPO, "lint")
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-MINIMAL_INDEX = """A small site
-============
-
-.. toctree::
-
-   auto_examples/index
-   api
-   reading-timings
-   sg_execution_times
-"""
 
 
 def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
