@@ -381,9 +381,14 @@ def test_api_names_in_the_code_link_to_the_pytorch_reference(site):
         assert target in linked[name], linked[name]
 
 
-def test_the_api_page_lists_each_torch_func_function_with_its_examples(site):
+def api_sections(site):
+    """The API page's sections, by the function name in their heading."""
     page = soup(site.html / "api.html")
-    sections = {s.h2.get_text().strip("#¶ "): s for s in page.select("section") if s.h2}
+    return {s.h2.get_text().strip("#¶ "): s for s in page.select("section") if s.h2}
+
+
+def test_the_api_page_lists_each_torch_func_function_with_its_examples(site):
+    sections = api_sections(site)
     for name in [
         "vmap",
         "grad",
@@ -421,8 +426,7 @@ DEBUG_HELPERS = {"debug_unwrap"}
 
 def test_every_torch_func_function_has_an_example_on_the_api_page(site):
     """Every public torch.func function of the pinned torch is used by an executed example."""
-    page = soup(site.html / "api.html")
-    sections = {s.h2.get_text().strip("#¶ "): s for s in page.select("section") if s.h2}
+    sections = api_sections(site)
     covered = {
         name
         for name, section in sections.items()
