@@ -80,6 +80,12 @@ METHOD_COLORS = {
     "hand-written": "#999933",
     "ghost clipping": "#CC6677",
     "book-keeping": "#6699CC",
+    "forward-over-reverse": "#EE3377",
+    "reverse-over-reverse": "#997700",
+    "reverse-over-forward": "#BBCC33",
+    "GGN": "#EE8866",
+    "ntk-vector products": "#5D69B1",
+    "linearize": "#CC3311",
 }
 
 # %%

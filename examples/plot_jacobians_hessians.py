@@ -70,6 +70,12 @@ METHOD_COLORS = {
     "hand-written": "#999933",
     "ghost clipping": "#CC6677",
     "book-keeping": "#6699CC",
+    "forward-over-reverse": "#EE3377",
+    "reverse-over-reverse": "#997700",
+    "reverse-over-forward": "#BBCC33",
+    "GGN": "#EE8866",
+    "ntk-vector products": "#5D69B1",
+    "linearize": "#CC3311",
 }
 
 # %%
@@ -277,7 +283,8 @@ def time_both_modes(args):
         {
             "jacfwd": lambda: jacfwd(layer, argnums=2)(*args),
             "jacrev": lambda: jacrev(layer, argnums=2)(*args),
-        }
+        },
+        rounds=5,
     )
 
 
@@ -413,7 +420,8 @@ hessian_times_ms = median_times_ms(
     {
         method: partial(hessian_fn, hess_weight, hess_bias, hess_x)
         for method, hessian_fn in hessian_methods.items()
-    }
+    },
+    rounds=5,
 )
 for method, ms in hessian_times_ms.items():
     print(f"{method:15s} relative error {hessian_errors[method]:.1e}   {ms:8.2f} ms")

@@ -73,6 +73,12 @@ METHOD_COLORS = {
     "hand-written": "#999933",
     "ghost clipping": "#CC6677",
     "book-keeping": "#6699CC",
+    "forward-over-reverse": "#EE3377",
+    "reverse-over-reverse": "#997700",
+    "reverse-over-forward": "#BBCC33",
+    "GGN": "#EE8866",
+    "ntk-vector products": "#5D69B1",
+    "linearize": "#CC3311",
 }
 
 # %%
@@ -288,12 +294,12 @@ check_each_parameter(loop_grads, reference_grads, 1e-2, "loop, float32")
 # --------------------------------------------
 # We time with :mod:`torch.utils.benchmark`, which synchronises the GPU and repeats each call in
 # blocks until a minimum time has passed. After a warm-up, the three methods take turns for
-# nine rounds, and each one's median is reported. The batched backward is the floor: a
+# six rounds, and each one's median is reported. The batched backward is the floor: a
 # per-sample method does the same multiply-adds, and must also write ``B`` gradients instead of
 # one, so it cannot be faster.
 
 
-def median_times_ms(methods, rounds=9, min_run_time=0.2):
+def median_times_ms(methods, rounds=6, min_run_time=0.2):
     """Median time of each method in ``{name: fn}``, in ms, using all of torch's threads.
 
     Each method is called three times untimed first, so that caches, lazy initialisation and

@@ -71,6 +71,12 @@ METHOD_COLORS = {
     "hand-written": "#999933",
     "ghost clipping": "#CC6677",
     "book-keeping": "#6699CC",
+    "forward-over-reverse": "#EE3377",
+    "reverse-over-reverse": "#997700",
+    "reverse-over-forward": "#BBCC33",
+    "GGN": "#EE8866",
+    "ntk-vector products": "#5D69B1",
+    "linearize": "#CC3311",
 }
 
 # %%
@@ -307,7 +313,8 @@ times_b2_ms = median_times_ms(
         "loop": lambda: loop_param_jacobians(model, inputs),
         "jacfwd": lambda: jacfwd_fn(params, inputs),
         "jacrev": lambda: jacrev_fn(params, inputs),
-    }
+    },
+    rounds=5,  # vmap(jacfwd) takes about half a second a call on a small CPU
 )
 labels = {"loop": "double loop", "jacfwd": "vmap(jacfwd)", "jacrev": "vmap(jacrev)"}
 for method, ms in times_b2_ms.items():
@@ -426,7 +433,8 @@ for batch_size in batch_sizes:
         {
             "loop": partial(loop_param_jacobians, model, batch),
             "vmap": partial(jacrev_fn, params, batch),
-        }
+        },
+        rounds=5,
     )
     loop_ms.append(times["loop"])
     vmap_ms.append(times["vmap"])
