@@ -86,6 +86,12 @@ METHOD_COLORS = {
     "hand-written": "#999933",
     "ghost clipping": "#CC6677",
     "book-keeping": "#6699CC",
+    "forward-over-reverse": "#EE3377",
+    "reverse-over-reverse": "#997700",
+    "reverse-over-forward": "#BBCC33",
+    "GGN": "#EE8866",
+    "ntk-vector products": "#5D69B1",
+    "linearize": "#CC3311",
 }
 
 # %%
@@ -310,9 +316,9 @@ print("Hessian with respect to the input:", tuple(input_hessian.shape))
 # %%
 # A Hessian-vector product
 # ------------------------
-# Taught here. The Hessian of the loss with respect to the head's parameters, times a
-# vector, without forming the Hessian: ``jvp`` of ``grad`` (forward over reverse). The check
-# forms the Hessian, which is small for the head alone.
+# *Taught in* :doc:`plot_hessian_vector_products`. The Hessian of the loss with respect to the
+# head's parameters, times a vector, without forming the Hessian: ``jvp`` of ``grad`` (forward over
+# reverse). The check forms the Hessian, which is small for the head alone.
 
 
 def head_loss(p):
@@ -360,7 +366,8 @@ print("batch of Jacobians:", tuple(batch_jacobians.shape))
 # %%
 # Per-sample Jacobians with respect to the parameters, and the NTK
 # ----------------------------------------------------------------
-# *Taught in* :doc:`plot_per_sample_param_jacobians`. ``vmap(jacrev(...))`` over samples,
+# *Taught in* :doc:`plot_per_sample_param_jacobians` and :doc:`plot_neural_tangent_kernel`.
+# ``vmap(jacrev(...))`` over samples,
 # differentiating the logits with respect to the head's parameters; contracting two samples'
 # Jacobians over the parameters gives the empirical neural tangent kernel, here its trace over
 # the logits: a (B × B) matrix.
@@ -417,10 +424,10 @@ print("ensemble outputs:", tuple(ensemble.shape))
 # %%
 # Many Jacobian-vector products at one point
 # ------------------------------------------
-# Taught here. ``jvp`` re-runs the forward pass with every call. :func:`~torch.func.linearize`
-# runs it once, and returns a function that applies the Jacobian at that point to any tangent:
-# worth it when many tangents share one point. Its check is ``jvp`` itself, and a second
-# check asks ``vjp`` for the transposed product: ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``.
+# *Taught in* :doc:`plot_neural_tangent_kernel`. ``jvp`` re-runs the forward pass with every call.
+# :func:`~torch.func.linearize` runs it once, and returns a function that applies the Jacobian at
+# that point to any tangent: worth it when many tangents share one point. Its check is ``jvp``
+# itself, and a second check asks ``vjp`` for the transposed product: ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``.
 with warnings.catch_warnings():  # linearize's tracer warns about an internal constant
     warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
     _, jvp_at_x0 = linearize(model, x0)

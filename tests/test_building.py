@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -473,3 +474,30 @@ def test_a_misspelling_or_broken_markup_fails_lint_naming_the_file(tmp_path):
     assert result.returncode != 0
     assert "index.rst" in result.stdout + result.stderr
     assert "role-without-backticks" in result.stdout + result.stderr
+
+
+MACHINE_READ_LINES = {
+    "plot_per_sample_grads_at_the_limit.py": (
+        r"best exact method at batch (\d+): ([\w -]+), (\d+\.\d\d) x the floor",
+        3,  # one per batch size of the MLP (16, 64, 256 on a CPU; three on a GPU)
+    ),
+    "plot_hessian_vector_products.py": (
+        r"hvp ([\w() -]+): (\d+\.\d\d) x one gradient",
+        4,  # three methods eager, and at least the best one compiled
+    ),
+}
+
+
+@pytest.mark.parametrize("example", sorted(MACHINE_READ_LINES), ids=str)
+def test_the_lines_read_by_machine_are_on_the_page_in_their_fixed_form(site, example):
+    pattern, at_least = MACHINE_READ_LINES[example]
+    output = "\n".join(
+        pre.get_text()
+        for pre in soup(site.page(Path(example))).select("div.sphx-glr-script-out pre")
+    )
+    lines = [line for line in output.splitlines() if re.fullmatch(pattern, line)]
+    assert len(lines) >= at_least, (
+        f"{example}: {len(lines)} lines of the form {pattern}"
+    )
+    for line in lines:
+        assert float(re.fullmatch(pattern, line).groups()[-1]) > 0, line
