@@ -608,7 +608,7 @@ small_times_ms = median_times_ms(
 print(
     f"dense Hessian, then times v: {small_times_ms['hessian']:.2f} ms; one product: "
     f"{small_times_ms['forward-over-reverse']:.2f} ms "
-    f"({small_times_ms['hessian'] / small_times_ms['forward-over-reverse']:.0f}x)"
+    f"({small_times_ms['hessian'] / small_times_ms['forward-over-reverse']:.1f}x)"
 )
 
 # %%

@@ -126,7 +126,8 @@ def test_examples_tests_and_docs_pass_the_linter():
 
 
 def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
-    """The reset before each example restores torch's settings, the seeds and matplotlib."""
+    """The reset before each example restores torch's settings, the seeds, matplotlib, and a
+    heap without the last example's freed memory."""
     tree = copy_sources(tmp_path, examples=set())
     (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX)
     (tree / "examples" / "plot_zz_leak_a.py").write_text(
@@ -135,6 +136,12 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
         "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)\n"
         "torch.set_num_threads(1)\ntorch.manual_seed(1234)\n"
         'matplotlib.rcParams["lines.linewidth"] = 9.0\nplt.plot([0, 1])\nplt.show()\n'
+        # Keep freed memory, as every example does, then allocate and free 512 MiB.
+        "import ctypes, os, re\nlibc = ctypes.CDLL(None)\n"
+        "libc.mallopt(-4, 0)\nlibc.mallopt(-1, -1)\n"
+        "big = torch.ones(2**27)\ndel big\n"
+        "status = open('/proc/self/status').read()\n"
+        "os.environ['RESIDENT_KIB'] = re.search(r'VmRSS:\\s+(\\d+)', status).group(1)\n"
     )
     (tree / "examples" / "plot_zz_leak_b.py").write_text(
         '"""\nFinds a fresh start\n===================\n"""\n'
@@ -148,6 +155,10 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
         'assert matplotlib.rcParams["lines.linewidth"] == 1.5\n'
         "assert not plt.get_fignums()\nplt.plot(vmap(torch.sin)(torch.zeros(2)))\n"
         "plt.show()\n"
+        # The heap that the last example kept went back to the kernel before this one.
+        "import os, re\nstatus = open('/proc/self/status').read()\n"
+        "resident = int(re.search(r'VmRSS:\\s+(\\d+)', status).group(1))\n"
+        "assert int(os.environ['RESIDENT_KIB']) - resident > 400 * 1024, resident\n"
     )
     result = make(tree, "html")
     log = result.stdout + result.stderr

@@ -1,9 +1,16 @@
 """A fresh start for every example, for sphinx-gallery's ``reset_modules``.
 
 sphinx-gallery runs all examples in one process, so an example that changes the default dtype,
-turns off gradients or sets a seed would otherwise leak that into the next one.
+turns off gradients or sets a seed would otherwise leak that into the next one. The same holds
+for the C heap: the examples ask glibc to keep freed memory, so after a page that allocates
+gigabytes the build's process holds a large heap of free memory that a fresh process (a
+reader's notebook) does not have. Handing it back to the kernel before each example makes the
+next one start from a heap like a fresh process's.
 """
 
+import ctypes
+import gc
+import platform
 import random
 
 import torch
@@ -29,3 +36,7 @@ def reset_state(gallery_conf, fname):
     torch.backends.cudnn.allow_tf32 = True
     plt.close("all")
     matplotlib.rcdefaults()
+    gc.collect()  # the last example's tensors, if a cycle still holds them
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        # Free heap pages go back to the kernel, as in a fresh process.
+        ctypes.CDLL(None).malloc_trim(0)
