@@ -421,7 +421,6 @@ plt.show()
 # per output of the second batch. We time both at growing width (P) for two batches of 8.
 widths = [8, 16, 32]
 sweep_images_a, sweep_images_b = make_images(8, seed=4), make_images(8, seed=5)
-sweep = {"P": [], "contraction": [], "ntk-vector products": []}
 checked_model = model
 for width in widths:
     model = SmallCNN(width).to(device)
@@ -437,11 +436,9 @@ for width in widths:
         },
         rounds=3,
     )
-    sweep["P"].append(sum(p.numel() for p in sweep_params.values()))
-    for method in ("contraction", "ntk-vector products"):
-        sweep[method].append(times[method])
+    sweep_num_params = sum(p.numel() for p in sweep_params.values())
     print(
-        f"P = {sweep['P'][-1]:7,}: contraction {times['contraction']:7.2f} ms, "
+        f"P = {sweep_num_params:7,}: contraction {times['contraction']:7.2f} ms, "
         f"NTK-vector products {times['ntk-vector products']:7.2f} ms -> contraction "
         f"{times['ntk-vector products'] / times['contraction']:.2f}x faster"
     )
