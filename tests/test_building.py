@@ -126,8 +126,8 @@ def test_examples_tests_and_docs_pass_the_linter():
 
 
 def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
-    """The reset before each example restores torch's settings, the seeds, matplotlib, and a
-    heap without the last example's freed memory."""
+    """The reset before each example restores torch's settings, the seeds, matplotlib,
+    torch.compile's caches, and a heap without the last example's freed memory."""
     tree = copy_sources(tmp_path, examples=set())
     (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX)
     (tree / "examples" / "plot_zz_leak_a.py").write_text(
@@ -140,6 +140,11 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
         "import ctypes, os, re\nlibc = ctypes.CDLL(None)\n"
         "libc.mallopt(-4, 0)\nlibc.mallopt(-1, -1)\n"
         "big = torch.ones(2**27)\ndel big\n"
+        # A vmap'd function compiled at two batch sizes: dynamo now treats that dimension as
+        # dynamic for every vmap'd function, since they share one code object.
+        "from torch.func import vmap\n"
+        "seen_twice = torch.compile(vmap(torch.sin), backend='eager')\n"
+        "seen_twice(torch.ones(2, 4))\nseen_twice(torch.ones(5, 4))\n"
         "status = open('/proc/self/status').read()\n"
         "os.environ['RESIDENT_KIB'] = re.search(r'VmRSS:\\s+(\\d+)', status).group(1)\n"
     )
@@ -155,6 +160,14 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
         'assert matplotlib.rcParams["lines.linewidth"] == 1.5\n'
         "assert not plt.get_fignums()\nplt.plot(vmap(torch.sin)(torch.zeros(2)))\n"
         "plt.show()\n"
+        # A fresh process compiles its first vmap'd function for the shape it sees (a graph
+        # whose inputs hold no symbolic size), not for a dimension an earlier example varied.
+        "graph_inputs = []\n"
+        "def recording(graph, example_inputs):\n"
+        "    graph_inputs.extend(type(x).__name__ for x in example_inputs)\n"
+        "    return graph.forward\n"
+        "torch.compile(vmap(torch.cos), backend=recording)(torch.ones(3, 4))\n"
+        "assert graph_inputs == ['Tensor'], graph_inputs\n"
         # The heap that the last example kept went back to the kernel before this one.
         "import os, re\nstatus = open('/proc/self/status').read()\n"
         "resident = int(re.search(r'VmRSS:\\s+(\\d+)', status).group(1))\n"
