@@ -194,15 +194,18 @@ def test_the_api_page_lists_only_the_functions_that_examples_use(tmp_path):
 def test_reproduce_matches_a_ratio_across_runs_whatever_the_timings_printed():
     page = (
         "B=   8: loop     8.23 ms, vmap    0.86 ms -> 9.55x faster\nall 1.5x of 2.0x\n"
+        "hvp jvp: 2.50 x one gradient\ntarget (within 2.00x of the floor): met\n"
     )
     fresh = (
         "B=   8: loop    18.23 ms, vmap   10.86 ms -> 1.68x faster\nall 1.4x of 2.1x\n"
+        "hvp jvp: 2.75 x one gradient\ntarget (within 2.00x of the floor): missed\n"
     )
     on_page, in_run = reproduce.ratios(page), reproduce.ratios(fresh)
-    assert set(on_page) == set(in_run) and len(on_page) == 3
-    assert sorted(v for v, _ in in_run.values()) == [1.4, 1.68, 2.1]
+    assert set(on_page) == set(in_run) and len(on_page) == 5
+    assert sorted(v for v, _ in in_run.values()) == [1.4, 1.68, 2.0, 2.1, 2.75]
     first = next(iter(on_page.values()))
     assert first == (9.55, "B=   8: loop     8.23 ms, vmap    0.86 ms -> □x faster")
+    assert (2.5, "hvp jvp: □ x one gradient") in on_page.values()
 
 
 def test_the_404_pages_own_links_start_at_the_sites_root():
