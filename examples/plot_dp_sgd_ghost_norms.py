@@ -21,6 +21,7 @@ hand-written DP-SGD step against Opacus' own on the same batch and noise.
 # when there is one and seed the random number generator.
 import copy
 import ctypes
+import gc
 import os
 import platform
 import re
@@ -199,6 +200,8 @@ def cpu_peak_bytes(fn):
 
 
 def peak_mib(fn):
+    # Garbage from earlier cells, if collected during the call, would hide part of its peak.
+    gc.collect()
     peak = cuda_peak_bytes(fn) if device.type == "cuda" else cpu_peak_bytes(fn)
     return None if peak is None else peak / 2**20
 

@@ -24,6 +24,7 @@ expanded weights, Opacus' ``GradSampleModule``, and hand-written per-layer formu
 # when there is one and seed the random number generator.
 import copy
 import ctypes
+import gc
 import mmap
 import os
 import platform
@@ -212,6 +213,8 @@ def cpu_peak_bytes(fn):
 
 
 def peak_mib(fn):
+    # Garbage from earlier cells, if collected during the call, would hide part of its peak.
+    gc.collect()
     peak = cuda_peak_bytes(fn) if device.type == "cuda" else cpu_peak_bytes(fn)
     return None if peak is None else peak / 2**20
 

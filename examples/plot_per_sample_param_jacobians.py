@@ -18,6 +18,7 @@ full tensor stops fitting.
 # We print the hardware, because the timings depend on it, pick the GPU when there is one, and
 # seed the generator.
 import ctypes
+import gc
 import os
 import platform
 import re
@@ -202,6 +203,8 @@ def cpu_peak_bytes(fn):
 
 
 def peak_mib(fn):
+    # Garbage from earlier cells, if collected during the call, would hide part of its peak.
+    gc.collect()
     peak = cuda_peak_bytes(fn) if device.type == "cuda" else cpu_peak_bytes(fn)
     return None if peak is None else peak / 2**20
 
