@@ -304,6 +304,8 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
     assert re.search(
         r"all threads against one.*before each run: \d+\.\d\dx\n", result.stdout
     )
+    # And what share of the CPU time the host took during it (on Linux, always readable).
+    assert re.search(r"\(steal\) during each run: \d+\.\d%\n", result.stdout)
 
 
 def test_the_timings_page_shows_a_report_of_reproduce(site):

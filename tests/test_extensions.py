@@ -208,6 +208,15 @@ def test_reproduce_matches_a_ratio_across_runs_whatever_the_timings_printed():
     assert (2.5, "hvp jvp: □ x one gradient") in on_page.values()
 
 
+def test_reproduce_reads_the_hosts_share_of_cpu_time_from_the_counters():
+    # /proc/stat order: user nice system idle iowait irq softirq steal guest guest_nice
+    before = [100, 0, 20, 500, 0, 0, 0, 10, 0, 0]
+    after = [160, 0, 30, 520, 0, 0, 0, 20, 0, 0]
+    assert reproduce.steal_share(before, after) == 10 / 100
+    assert reproduce.steal_share(None, after) is None
+    assert len(reproduce.cpu_times() or [0] * 8) >= 8
+
+
 def test_the_404_pages_own_links_start_at_the_sites_root():
     doctree = new_document("404", get_default_settings(Parser))
     inside = nodes.reference(refuri="auto_examples/index.html", internal=True)

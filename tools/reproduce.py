@@ -5,8 +5,9 @@ that the built site offers for download, runs it RUNS times, each in a new inter
 reads every ratio it prints (a number followed by "x", such as "2.07x" or "2.07 x"). It prints,
 for each ratio, the value on the built page beside the spread of the fresh runs, and writes the
 same report to a file. Before each run it also measures how much a second thread speeds up a
-matrix product, because on a shared virtual machine the other cores come and go, and with
-them every timing that uses all threads. It is a report, not a test: timings never fail it.
+matrix product, and during each run it reads how much CPU time the host of a virtual machine
+took away (steal), because on a shared machine the cores come and go, and with them every
+timing that uses all threads. It is a report, not a test: timings never fail it.
 It exits non-zero only when it cannot do its job (no built site, a script that fails).
 """
 
@@ -67,6 +68,23 @@ def second_core_speedup():
     return times[0] / times[1]
 
 
+def cpu_times():
+    """The whole machine's CPU time counters from /proc/stat, or None where there is none."""
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return None
+    return [int(field) for field in stat.read_text().split("\n")[0].split()[1:]]
+
+
+def steal_share(before, after):
+    """Share of the CPU time in between that the host took from this virtual machine."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # user nice system idle iowait irq softirq steal
+    return delta[7] / total if total else 0.0
+
+
 def page_output(page):
     soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
     return "\n".join(
@@ -95,12 +113,13 @@ def report_example(example, site, runs, lines):
     if not page.is_file() or len(scripts) != 1:
         fail(f"{example}: no built page or download in {site}; run `make html` first")
     on_page = ratios(page_output(page))
-    fresh, speedups = [], []
+    fresh, speedups, steals = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for run in range(runs):
             speedups.append(second_core_speedup())
-            started = time.perf_counter()
+            started, counters = time.perf_counter(), cpu_times()
             fresh.append(ratios(run_script(scripts[0], workdir)))
+            steals.append(steal_share(counters, cpu_times()))
             print(
                 f"  {example}: fresh run {run + 1}/{runs} "
                 f"({time.perf_counter() - started:.0f} s)",
@@ -112,6 +131,10 @@ def report_example(example, site, runs, lines):
     lines.append(
         "  all threads against one, matrix product, just before each run: "
         + " ".join(f"{s:.2f}x" for s in speedups)
+    )
+    lines.append(
+        "  CPU time the host took (steal) during each run: "
+        + " ".join("n/a" if s is None else f"{s:.1%}" for s in steals)
     )
     lines.append(
         f"  {'page':>8} {'runs: min':>10} {'median':>8} {'max':>8} "
@@ -173,6 +196,8 @@ def main():
         "all threads against one: a matrix product's speed-up from the other cores just before "
         "each run; well below the thread count, the cores were not all free (other work on "
         "this machine or its host)",
+        "steal: on a virtual machine, the share of CPU time during the run that the host gave "
+        "to others (Linux's /proc/stat)",
     ]
     total = outside = 0
     for example in examples:
