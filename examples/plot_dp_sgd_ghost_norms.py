@@ -636,6 +636,6 @@ print("one hand-written DP-SGD step matches Opacus' step, parameter by parameter
 # * The timings above say what that saves against forming B·P floats, and how close the
 #   ghost step comes to an ordinary step on this machine.
 # * DP-SGD's price is accuracy as well as time: the noise that buys ε costs test accuracy
-#   against plain SGD, as the training run above measured. A private epoch also takes
-#   longer than the per-step ratio suggests: its batches are small, so the fixed Python cost
-#   of the hooks and of drawing noise for every parameter weighs more.
+#   against plain SGD, as the training run above measured. Compare the epoch's time ratio
+#   with the per-step one: an epoch's batches are small, so the fixed Python cost of the
+#   hooks and of drawing noise for every parameter weighs more there than in a full batch.
