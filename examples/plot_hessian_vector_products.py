@@ -758,7 +758,8 @@ cg_runs = {
 }
 ggn_step, ggn_residuals, ggn_model, ggn_negative = cg_runs["GGN"]
 dense_step = torch.linalg.solve(
-    explicit_ggn + damping * torch.eye(small_num_params, dtype=torch.float64),
+    explicit_ggn
+    + damping * torch.eye(small_num_params, dtype=torch.float64, device=device),
     -small_gradient,
 )
 step_error = ((ggn_step - dense_step).norm() / dense_step.norm()).item()
