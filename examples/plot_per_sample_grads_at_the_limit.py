@@ -47,6 +47,10 @@ from torch.utils import benchmark
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
+# On NVIDIA GPUs, cuDNN runs float32 convolutions in TF32 by default, with a 10-bit mantissa.
+# The checks on this page compare float32 results with float64 ones, so we ask cuDNN for full
+# float32; on a CPU the setting changes nothing.
+torch.backends.cudnn.allow_tf32 = False
 
 
 def describe_hardware():
@@ -141,7 +145,8 @@ print(
 # three untimed calls, using all of torch's threads. Peak memory is the allocator's record of
 # one call on a GPU, and on a Linux CPU the rise of the process's peak resident memory
 # (``VmHWM``) during one call, with freed memory returned to the kernel meanwhile so that
-# resident memory follows the live tensors. Matrix products run in full float32 (no TF32).
+# resident memory follows the live tensors. Matrix products and convolutions run in full
+# float32 (no TF32).
 torch.set_float32_matmul_precision("highest")
 
 
@@ -556,7 +561,7 @@ batch_sizes = {"CNN": [64], "MLP": [16, 64, 256]}
 compiled_batch_sizes = [64, 256]
 if device.type == "cuda":
     batch_sizes = {"CNN": [64, 256], "MLP": [64, 256, 1024]}
-    compiled_batch_sizes = [256, 1024]
+    compiled_batch_sizes = [64, 256, 1024]
 
 results = {}  # (model, batch size) -> {method or floor part: median ms}
 for model_name, net in models.items():
@@ -630,15 +635,32 @@ for batch_size in compiled_batch_sizes:
     verdict = "met" if best[batch_size][1] <= 2 else "missed"
     print(f"target (within 2x of the floor at batch {batch_size}): {verdict}")
 # The floor is itself a measurement: a method that writes its B·P floats as fast as the plain
-# fill does lands on it, and the noise of two memory-bound timings can put it a little below.
+# fill does lands on it, and the noise of timing two calls can put it a little below. Further
+# below means that the batched step is not the fastest way to do its own work. It runs
+# eagerly, kernel by kernel, and where its time hardly grows with the batch (as on a GPU at
+# these sizes), it pays for launches and Python rather than arithmetic or memory, which
+# compiled code fuses away. The check fails the page if a method beats the floor by more than
+# the noise anywhere else.
+mlp_sizes = batch_sizes["MLP"]
+batched_growth = (
+    results["MLP", mlp_sizes[-1]]["batched"] / results["MLP", mlp_sizes[0]]["batched"]
+)
+print(
+    f"MLP batched step from batch {mlp_sizes[0]} to {mlp_sizes[-1]}: "
+    f"{batched_growth:.2f} x the time"
+)
+launch_bound = batched_growth < 2
 for (model_name, batch_size), times in results.items():
     for method in METHODS:
         if method in times and times[method] < floor_ms(times):
-            print(
-                f"{model_name} {method} at batch {batch_size}: "
-                f"{times[method] / floor_ms(times):.2f} x, on the floor within the noise "
-                "of timing two memory-bound calls"
+            ratio = times[method] / floor_ms(times)
+            assert ratio >= 0.9 or launch_bound, f"{model_name} {method}: {ratio:.2f}x"
+            why = (
+                "on the floor within the noise of timing two calls"
+                if ratio >= 0.9
+                else "below an eager batched step whose time is launch overhead, not work"
             )
+            print(f"{model_name} {method} at batch {batch_size}: {ratio:.2f} x, {why}")
 
 # %%
 # The figure plots the same ratios for the MLP, and the CNN's at its one batch size. The
@@ -844,7 +866,9 @@ if limits:
 # **torch.compile** fuses that sequence of operations into a few loops, so it writes each
 # per-sample gradient fewer times. The price is the compile time printed above, paid once
 # here because the graph takes any batch size; a graph specialised to one batch size (the
-# default, until a second size is seen) would be compiled again for each new one.
+# default, until a second size is seen) would be compiled again for each new one. On a GPU at
+# this page's sizes it also launches fewer kernels, which is how it can run below the eager
+# batched step that the floor is measured with.
 #
 # **Expanded weights and Opacus** compute the same per-layer outer products as the
 # hand-written code, through hooks and Python per layer, inside an ordinary backward pass
