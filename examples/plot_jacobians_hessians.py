@@ -433,8 +433,8 @@ for method, ratio in hessian_ratios.items():
     print(f"{method:15s} takes {ratio:.2f}x the time of hessian")
 
 # %%
-# The ratios span orders of magnitude, so the axis is logarithmic: equal distances are equal
-# factors.
+# The axis is logarithmic, so that equal distances are equal factors, whether the ratios are
+# close together or orders of magnitude apart.
 fig, ax = plt.subplots(figsize=(7, 2.8), layout="constrained")
 bars = ax.barh(
     list(hessian_ratios), list(hessian_ratios.values()), color=hessian_colors
@@ -452,7 +452,9 @@ plt.show()
 # ----------------
 # * ``jacrev`` costs about one backward pass per output, ``jacfwd`` one forward pass per input;
 #   both run those passes as one vectorised batch.
-# * Choose by shape: tall Jacobians favour ``jacfwd``, wide ones ``jacrev``. The sweep above
-#   shows where the boundary lies on this page's hardware; it need not be at a square shape.
-# * ``hessian`` is ``jacfwd(jacrev(...))``, the usual best choice for a scalar or
-#   few-output function of many inputs.
+# * Start from the shape: counted in multiply-adds, tall Jacobians favour ``jacfwd`` and wide
+#   ones ``jacrev``. Then measure, as the sweep above does: the boundary need not be at a
+#   square shape, and on some hardware one engine wins at every shape of the sweep.
+# * ``hessian`` is ``jacfwd(jacrev(...))``, PyTorch's default for a scalar or few-output
+#   function of many inputs. The timings above show how the other orders compare with it on
+#   this page's hardware.
