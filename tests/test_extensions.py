@@ -15,6 +15,7 @@ from sphinx.errors import ExtensionError
 sys.path[:0] = [str(REPO / "docs" / "sphinxext"), str(REPO / "tools")]
 
 import api_reference  # noqa: E402
+import cuda_peak_memory  # noqa: E402
 import example_buttons  # noqa: E402
 import not_found_links  # noqa: E402
 import notebook_install_cell  # noqa: E402
@@ -227,3 +228,29 @@ def test_the_404_pages_own_links_start_at_the_sites_root():
     not_found_links.absolute_links(SimpleNamespace(config=config), doctree, "404")
     assert inside["refuri"] == "/site/auto_examples/index.html"
     assert anchor["refuri"] == "#top" and outside["refuri"] == "https://pytorch.org/"
+
+
+def test_a_pages_cuda_peak_leaves_out_memory_an_earlier_page_still_holds(monkeypatch):
+    # A fake device: 1 GiB still live from an earlier page, then the example allocates 300
+    # MiB more at its peak.
+    mib = 2**20
+    state = {"live": 1024 * mib, "peak": 1024 * mib}
+
+    def allocate(size):
+        state["live"] += size
+        state["peak"] = max(state["peak"], state["live"])
+
+    def reset_peak():
+        state["peak"] = state["live"]
+
+    cuda = cuda_peak_memory.torch.cuda
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: state["live"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak)
+
+    def example():
+        allocate(300 * mib)
+        allocate(-300 * mib)
+        return "its result"
+
+    assert cuda_peak_memory.cuda_peak_mib(example) == (300.0, "its result")

@@ -8,10 +8,16 @@ import torch
 
 
 def cuda_peak_mib(example):
-    """Run the example and return its CUDA peak in MiB, with its result."""
+    """Run the example and return its CUDA peak in MiB, with its result.
+
+    The peak counts only what the example allocated: memory that was still live when it
+    started (kept by an earlier example) is subtracted. Without that, a page that failed at
+    its imports showed 1.2 GB, all of it an earlier page's.
+    """
+    live_before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     result = example()
-    return torch.cuda.max_memory_allocated() / 2**20, result
+    return (torch.cuda.max_memory_allocated() - live_before) / 2**20, result
 
 
 def memory_reporter():
