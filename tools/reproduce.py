@@ -174,6 +174,7 @@ def main():
         "--report", type=Path, help="also write the report to this file"
     )
     args = parser.parse_args()
+    args.site = args.site.resolve()  # the runs start in a temporary folder
 
     known = sorted(p.stem for p in (REPO / "examples").rglob("plot_*.py"))
     if args.example and args.example not in known:
