@@ -283,7 +283,7 @@ check_each_parameter(
 # and max-pooling have kinks, and an activation within rounding distance of one can fall on
 # the other side in float32, which moves a little gradient to a different weight; the
 # convolutions collect those moves from every position in the image. (TF32 would add more on a
-# GPU: it is turned off above, because with it the convolutions' errors exceed this bound.) A
+# GPU: it is turned off above, because with it the convolutions' errors can exceed this bound.) A
 # bound of 1e-2 per parameter holds and still catches a wrong result, whose error is of order
 # one.
 float32_errors = check_each_parameter(
