@@ -163,6 +163,25 @@ def visit(browser, base_url):
         opened.close()
 
 
+@pytest.fixture(scope="module")
+def loaded(browser, base_url):
+    """One desktop visit per page, shared by the tests that only read the loaded page.
+
+    Rendering a long example page in software takes Chromium about two seconds, so the
+    tests that click, resize or inject scripts open their own visits instead.
+    """
+    visits = {}
+
+    def open_once(path):
+        if path not in visits:
+            visits[path] = Visit(browser, base_url, path)
+        return visits[path]
+
+    yield open_once
+    for opened in visits.values():
+        opened.close()
+
+
 EXAMPLE_PAGES = [f"auto_examples/{e.with_suffix('.html')}" for e in EXAMPLES]
 PAGES = [
     "index.html",
@@ -176,8 +195,8 @@ PAGES = [
 
 
 @pytest.mark.parametrize("path", PAGES)
-def test_page_loads_cleanly_with_every_image_and_only_local_requests(visit, path):
-    page = visit(path)
+def test_page_loads_cleanly_with_every_image_and_only_local_requests(loaded, path):
+    page = loaded(path)
     page.assert_clean()
     assert not page.broken_images()
     alt_texts = page.page.evaluate(
@@ -208,8 +227,8 @@ def test_gallery_shows_one_thumbnail_per_example_each_linking_to_it(visit, base_
 
 
 @pytest.mark.parametrize("path", EXAMPLE_PAGES)
-def test_example_page_shows_code_output_figure_time_and_downloads(visit, path):
-    example = visit(path)
+def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
+    example = loaded(path)
     page = example.page
     assert page.locator("div.highlight-Python pre").count() >= 3
     assert page.locator("div.sphx-glr-script-out pre").first.is_visible()
