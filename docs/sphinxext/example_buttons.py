@@ -10,8 +10,6 @@ keyed on the classes of sphinx-gallery's download containers, so a change in sph
 wording changes nothing here; a change in its structure fails the build, naming the page.
 """
 
-import copy
-
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.errors import ExtensionError
@@ -77,8 +75,10 @@ def add_buttons(app, doctree, docname):
         )
         buttons += nodes.Text(" ")
     for text, link in links.items():
-        button = copy.deepcopy(link)
-        button.children = [nodes.literal("", text, classes=["xref", "download"])]
+        # The reference's attributes (its target and published path) without its children.
+        # Not copy.deepcopy: that follows the node's parent and copies the whole page.
+        button = link.copy()
+        button += nodes.literal("", text, classes=["xref", "download"])
         buttons += button
         buttons += nodes.Text(" ")
     section = next(iter(doctree.findall(nodes.section)), None)
