@@ -142,7 +142,7 @@ print(
 # Timing and memory helpers
 # -------------------------
 # Times are medians over interleaved rounds of :class:`torch.utils.benchmark.Timer`, after
-# three untimed calls, using all of torch's threads. Peak memory is the allocator's record of
+# two untimed calls, using all of torch's threads. Peak memory is the allocator's record of
 # one call on a GPU, and on a Linux CPU the rise of the process's peak resident memory
 # (``VmHWM``) during one call, with freed memory returned to the kernel meanwhile so that
 # resident memory follows the live tensors. Matrix products and convolutions run in full
