@@ -44,6 +44,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 from torch.utils import benchmark
+from torch.utils._python_dispatch import TorchDispatchMode
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
@@ -101,10 +102,10 @@ METHOD_COLORS = {
 # Pinning the memory allocator's policy
 # -------------------------------------
 # As on the first per-sample page, we ask glibc to keep freed memory in the process and reuse
-# it, so that a call's time does not depend on what the process did before. A later section
-# switches this off on purpose to measure what fresh pages cost. Without glibc the cell
-# changes nothing and says so.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # from glibc's <malloc.h>
+# it, so that a call's time does not depend on what the process did before. What fresh pages
+# cost is measured below with memory mapped straight from the kernel, outside malloc. Without
+# glibc the cell changes nothing and says so.
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
 
 
 def glibc():
@@ -122,15 +123,6 @@ def keep_freed_memory():
     return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1))
 
 
-def use_fresh_pages():
-    """glibc's default policy, held fixed: large blocks come fresh from the kernel."""
-    libc = glibc()
-    libc.mallopt(M_MMAP_MAX, 65536)
-    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-    libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-    libc.malloc_trim(0)
-
-
 allocator_pinned = keep_freed_memory()
 print(
     "allocator: glibc keeps freed memory for reuse"
@@ -142,11 +134,15 @@ print(
 # Timing and memory helpers
 # -------------------------
 # Times are medians over interleaved rounds of :class:`torch.utils.benchmark.Timer`, after
-# two untimed calls, using all of torch's threads. Peak memory is the allocator's record of
-# one call on a GPU, and on a Linux CPU the rise of the process's peak resident memory
-# (``VmHWM``) during one call, with freed memory returned to the kernel meanwhile so that
-# resident memory follows the live tensors. Matrix products and convolutions run in full
-# float32 (no TF32).
+# two untimed calls, using all of torch's threads. Peak memory of one call: on a GPU from the
+# CUDA allocator's record of the call; on a CPU with glibc from malloc's own count of the
+# bytes it has handed out, read after every tensor operation of the call by a
+# ``TorchDispatchMode`` (a hook that sees each operation; it lives in
+# ``torch.utils._python_dispatch``, a private module). Resident memory would be the other
+# choice, but it counts the heap pages a call touches, and where a freed block is reused
+# depends on what the process did before, so the same call measured that way differs from
+# one fresh process to the next. Matrix products and convolutions run in full float32 (no
+# TF32).
 torch.set_float32_matmul_precision("highest")
 
 
@@ -195,26 +191,49 @@ def cuda_peak_bytes(fn):
     return peak
 
 
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc 2.33 and later): the heap's counters, in bytes."""
+
+    _fields_ = [
+        (field, ctypes.c_size_t)
+        for field in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                      "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+class PeakLiveMemory(TorchDispatchMode):
+    """Reads malloc's count of live bytes (heap chunks in use plus mmapped blocks) after
+    every tensor operation run under it, and keeps the highest."""
+
+    def __init__(self, mallinfo2):
+        super().__init__()
+        self.mallinfo2 = mallinfo2
+        self.peak = self.live_bytes()
+
+    def live_bytes(self):
+        info = self.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.live_bytes())
+        return result
+
+
 def cpu_peak_bytes(fn):
-    """Rise of the process's resident memory during fn(), or None where Linux cannot say."""
-    status, clear_refs = Path("/proc/self/status"), Path("/proc/self/clear_refs")
-    if not (allocator_pinned and status.exists()):
+    """Peak of live malloc'd memory during fn(), above where it started; None without
+    glibc 2.33's mallinfo2. It counts what is allocated, not which pages are touched, so it
+    does not depend on where in the heap earlier cells left free space."""
+    libc = glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-
-    def resident(field):
-        text = status.read_text()
-        return int(re.search(rf"{field}:\s+(\d+) kB", text).group(1)) << 10
-
-    use_fresh_pages()
-    try:
-        clear_refs.write_text("5")  # reset the peak to the current resident size
-        start = resident("VmRSS")
+    mallinfo2 = libc.mallinfo2
+    mallinfo2.restype = MallInfo2  # a struct returned by value
+    tracker = PeakLiveMemory(mallinfo2)
+    start = tracker.peak
+    with tracker:
         fn()
-        return resident("VmHWM") - start
-    except OSError:
-        return None
-    finally:
-        keep_freed_memory()
+    return tracker.peak - start
 
 
 def peak_mib(fn):
@@ -793,7 +812,7 @@ if peaks["vmap", memory_batches[0]] is not None:
             limits[method][16] < limits["batched"][16]
         )  # every method stores B·P floats
 else:
-    print("peak memory is measured on CUDA and on Linux CPUs only")
+    print("peak memory is measured on CUDA, and on CPUs with glibc 2.33 or later")
 
 # %%
 # ``chunk_size``: time against memory
