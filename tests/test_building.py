@@ -300,7 +300,11 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
     ]
     assert [row.split()[0] for row in rows] == page_ratios, result.stdout
     assert re.search(r"\d+ ratios, \d+ within ±25%", result.stdout)
-    # Before its run, how much all threads speed up a matrix product: whether cores were free.
+    # Before its run, how fast one thread runs a matrix product (a shared core is slower),
+    # and how much all threads speed it up: whether cores were free.
+    assert re.search(
+        r"one thread.*GFLOP/s just before each run: \d+\.\d\n", result.stdout
+    )
     assert re.search(
         r"all threads against one.*before each run: \d+\.\d\dx\n", result.stdout
     )

@@ -4,10 +4,10 @@
 that the built site offers for download, runs it RUNS times, each in a new interpreter, and
 reads every ratio it prints (a number followed by "x", such as "2.07x" or "2.07 x"). It prints,
 for each ratio, the value on the built page beside the spread of the fresh runs, and writes the
-same report to a file. Before each run it also measures how much a second thread speeds up a
-matrix product, and during each run it reads how much CPU time the host of a virtual machine
-took away (steal), because on a shared machine the cores come and go, and with them every
-timing that uses all threads. It is a report, not a test: timings never fail it.
+same report to a file. Before each run it also measures how fast one thread runs a matrix
+product and how much the other threads speed it up, and during each run it reads how much CPU
+time the host of a virtual machine took away (steal), because on a shared machine the cores
+come and go, and with them every timing. It is a report, not a test: timings never fail it.
 It exits non-zero only when it cannot do its job (no built site, a script that fails).
 """
 
@@ -52,8 +52,9 @@ def ratios(text):
     return found
 
 
-def second_core_speedup():
-    """How many times faster a 512×512 matrix product runs on all threads than on one."""
+def matmul_speeds():
+    """A 512×512 matrix product's speed on one thread (GFLOP/s), and how many times faster
+    it runs on all threads than on one."""
     import torch
     from torch.utils import benchmark
 
@@ -65,7 +66,7 @@ def second_core_speedup():
         .median
         for n in (1, threads)
     ]
-    return times[0] / times[1]
+    return 2 * 512**3 / times[0] / 1e9, times[0] / times[1]
 
 
 def cpu_times():
@@ -113,10 +114,12 @@ def report_example(example, site, runs, lines):
     if not page.is_file() or len(scripts) != 1:
         fail(f"{example}: no built page or download in {site}; run `make html` first")
     on_page = ratios(page_output(page))
-    fresh, speedups, steals = [], [], []
+    fresh, speeds, speedups, steals = [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for run in range(runs):
-            speedups.append(second_core_speedup())
+            speed, speedup = matmul_speeds()
+            speeds.append(speed)
+            speedups.append(speedup)
             started, counters = time.perf_counter(), cpu_times()
             fresh.append(ratios(run_script(scripts[0], workdir)))
             steals.append(steal_share(counters, cpu_times()))
@@ -129,6 +132,10 @@ def report_example(example, site, runs, lines):
         f"\n{example}: {len(on_page)} ratios, {runs} fresh runs of its download"
     )
     lines.append(
+        "  one thread, matrix product, GFLOP/s just before each run: "
+        + " ".join(f"{s:.1f}" for s in speeds)
+    )
+    lines.append(
         "  all threads against one, matrix product, just before each run: "
         + " ".join(f"{s:.2f}x" for s in speedups)
     )
@@ -138,17 +145,18 @@ def report_example(example, site, runs, lines):
     )
     lines.append(
         f"  {'page':>8} {'runs: min':>10} {'median':>8} {'max':>8} "
-        f"{'spread':>7} {'page vs':>8}  ratio (□ on the printed line)"
+        f"{'spread':>7} {'run':>4} {'page vs':>8}  ratio (□ on the printed line)"
     )
     outside = 0
     for key, (page_value, label) in on_page.items():
         values = [run[key][0] for run in fresh if key in run]
         if len(values) < runs:
-            lines.append(f"  {page_value:8.2f} {'missing in some runs':>44}  {label}")
+            lines.append(f"  {page_value:8.2f} {'missing in some runs':>49}  {label}")
             outside += 1
             continue
         median = statistics.median(values)
-        spread = max(abs(v - median) for v in values) / median if median else 0.0
+        farthest = max(range(runs), key=lambda i: abs(values[i] - median))
+        spread = abs(values[farthest] - median) / median if median else 0.0
         page_off = (page_value - median) / median if median else 0.0
         flag = (
             ""
@@ -158,7 +166,7 @@ def report_example(example, site, runs, lines):
         outside += bool(flag)
         lines.append(
             f"  {page_value:8.2f} {min(values):10.2f} {median:8.2f} {max(values):8.2f} "
-            f"{spread:6.0%} {page_off:+8.0%}  {label[:90]}{flag}"
+            f"{spread:6.0%} {farthest + 1:4d} {page_off:+8.0%}  {label[:90]}{flag}"
         )
     return len(on_page), outside
 
@@ -192,8 +200,11 @@ def main():
         f"compared with the built pages",
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"CUDA available: {torch.cuda.is_available()}",
-        "spread: largest distance of a run from the runs' median; page vs: the built page's "
-        "value against that median",
+        "spread: largest distance of a run from the runs' median; run: which run that was; "
+        "page vs: the built page's value against that median",
+        "one thread: a matrix product's speed on one core just before each run; lower than "
+        "usual, the core was shared (on a virtual machine, possibly with another machine on "
+        "the same physical core)",
         "all threads against one: a matrix product's speed-up from the other cores just before "
         "each run; well below the thread count, the cores were not all free (other work on "
         "this machine or its host)",
