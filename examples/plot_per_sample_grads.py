@@ -20,6 +20,7 @@ hardware you have and what fresh memory costs on a CPU, and how to clip per-samp
 # downloaded notebook prints your machine instead. We use the GPU when there is one, and seed
 # the random number generator so that the data and the weights are the same on every run.
 import ctypes
+import mmap
 import os
 import platform
 import re
@@ -360,29 +361,46 @@ print(
 # %%
 # What fresh memory costs on a CPU
 # --------------------------------
-# Now the same three calls once more, with glibc switched for a moment to the opposite policy:
-# every block above 128 KiB comes fresh from the kernel and goes back when it is freed. Each
-# call then pays for page faults and for zeroing every page it touches, which is what a
-# program pays whenever glibc's defaults happen to hand out fresh pages. Afterwards we switch
-# back. How much fresh pages cost depends on the machine and the operating system, and on a
-# virtual machine also on whether the host has backed that memory before, so expect these
-# ratios to move between runs more than the others on this page. On a GPU, PyTorch's caching
-# allocator keeps freed blocks itself, so there is nothing to compare.
+# Now the same three calls once more, but before each call we hand every free page of the
+# heap back to the kernel with glibc's ``malloc_trim``. Each call then starts as it would in a
+# process whose freed memory went back to the kernel, and pays for a page fault and for zeroing
+# every page it touches: what a program pays whenever glibc's defaults hand out fresh pages.
+# Switching glibc's policy back for a moment would not do this reliably: once freed memory sits
+# inside the heap, malloc reuses it whatever the policy, and only the first call would pay.
+# The operating system's count of page faults checks that each call really gets fresh pages:
+# ``vmap`` must fault in at least as many pages as its result fills. How much fresh pages cost
+# depends on the machine and the operating system. On a GPU, PyTorch's caching allocator keeps
+# freed blocks itself, so there is nothing to compare.
 
 
-def use_fresh_pages():
+def with_fresh_pages(fn):
+    """``fn``, with every free page of the heap handed back to the kernel before each call."""
     libc = glibc()
-    libc.mallopt(M_MMAP_MAX, 65536)  # glibc's default number of kernel-served blocks
-    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's initial threshold, held fixed
-    libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-    libc.malloc_trim(0)
+
+    def call():
+        libc.malloc_trim(0)
+        return fn()
+
+    return call
+
+
+def page_faults_per_call(fn):
+    """Pages the kernel had to fault in (and zero) during one call of ``fn``."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 fresh_timings_ms = {}
 if device.type == "cpu" and allocator_pinned:
-    use_fresh_pages()
-    fresh_timings_ms = median_times_ms(methods)
-    keep_freed_memory()
+    import resource  # Unix only, like glibc
+
+    fresh_methods = {name: with_fresh_pages(fn) for name, fn in methods.items()}
+    result_pages = batch_size * num_params * 4 // mmap.PAGESIZE
+    vmap_faults = min(page_faults_per_call(fresh_methods["vmap"]) for _ in range(3))
+    print(f"vmap(grad) with fresh pages: at least {vmap_faults} page faults per call")
+    assert vmap_faults >= result_pages, (vmap_faults, result_pages)
+    fresh_timings_ms = median_times_ms(fresh_methods)
     for method, ms in fresh_timings_ms.items():
         print(
             f"{labels[method]:38s} fresh pages {ms:8.1f} ms: "
