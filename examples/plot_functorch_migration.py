@@ -236,20 +236,26 @@ print(f"stack_module_state: {len(members)} models in one call, each as if run al
 # One vmapped call replaces a Python loop over the members. Whether it is faster depends on
 # the hardware and the size of the members: on a GPU it saves a kernel launch per member and
 # layer; on a CPU, for members this small, the gain can be small or negative. Timed here:
-ensemble_ms = {}
-for name, fn in {
+ensemble_fns = {
     "loop": lambda: [member(inputs) for member in members],
     "vmap": lambda: vmap(run_member, in_dims=(0, 0, None))(
         stacked_params, stacked_buffers, inputs
     ),
-}.items():
-    timer = benchmark.Timer(
+}
+timers = {
+    name: benchmark.Timer(
         stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
     )
-    fn()
-    ensemble_ms[name] = statistics.median(
-        timer.blocked_autorange(min_run_time=0.05).median * 1e3 for _ in range(7)
-    )
+    for name, fn in ensemble_fns.items()
+}
+for fn in ensemble_fns.values():
+    for _ in range(3):  # warm-up, untimed
+        fn()
+rounds_ms = {name: [] for name in ensemble_fns}
+for _ in range(9):  # the two take turns, so a slow spell of the machine slows both
+    for name, timer in timers.items():
+        rounds_ms[name].append(timer.blocked_autorange(min_run_time=0.05).median * 1e3)
+ensemble_ms = {name: statistics.median(times) for name, times in rounds_ms.items()}
 print(
     f"loop over {len(members)} models {ensemble_ms['loop']:.3f} ms, vmap "
     f"{ensemble_ms['vmap']:.3f} ms: the loop takes "
