@@ -306,7 +306,12 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
         r"one thread.*GFLOP/s just before each run: \d+\.\d\n", result.stdout
     )
     assert re.search(
-        r"all threads against one.*before each run: \d+\.\d\dx\n", result.stdout
+        r"all threads against one, matrix.*before each run: \d+\.\d\dx\n", result.stdout
+    )
+    # The same for a large write, which memory bandwidth limits.
+    assert re.search(
+        r"all threads against one, writing.*before each run: \d+\.\d\dx\n",
+        result.stdout,
     )
     # And what share of the CPU time the host took during it (on Linux, always readable).
     assert re.search(r"\(steal\) during each run: \d+\.\d%\n", result.stdout)

@@ -5,10 +5,11 @@ that the built site offers for download, runs it RUNS times, each in a new inter
 reads every ratio it prints (a number followed by "x", such as "2.07x" or "2.07 x"). It prints,
 for each ratio, the value on the built page beside the spread of the fresh runs, and writes the
 same report to a file. Before each run it also measures how fast one thread runs a matrix
-product and how much the other threads speed it up, and during each run it reads how much CPU
-time the host of a virtual machine took away (steal), because on a shared machine the cores
-come and go, and with them every timing. It is a report, not a test: timings never fail it.
-It exits non-zero only when it cannot do its job (no built site, a script that fails).
+product and how much the other threads speed it up (and a large write, which memory bandwidth
+limits), and during each run it reads how much CPU time the host of a virtual machine took away
+(steal), because on a shared machine the cores come and go, and with them every timing. It is a
+report, not a test: timings never fail it. It exits non-zero only when it cannot do its job (no
+built site, a script that fails).
 """
 
 import argparse
@@ -69,6 +70,24 @@ def matmul_speeds():
     return 2 * 512**3 / times[0] / 1e9, times[0] / times[1]
 
 
+def write_speedup():
+    """How many times faster all threads fill 256 MiB of memory the process holds than one
+    thread does. Writing is bound by memory bandwidth, not arithmetic: a speed-up near one
+    means one core already drew all the bandwidth that the machine gave at that moment."""
+    import torch
+    from torch.utils import benchmark
+
+    held = torch.empty(64 << 20)  # 256 MiB of float32, larger than any CPU cache
+    held.fill_(0.0)
+    times = [
+        benchmark.Timer("held.fill_(1.0)", globals={"held": held}, num_threads=n)
+        .blocked_autorange(min_run_time=0.2)
+        .median
+        for n in (1, torch.get_num_threads())
+    ]
+    return times[0] / times[1]
+
+
 def cpu_times():
     """The whole machine's CPU time counters from /proc/stat, or None where there is none."""
     stat = Path("/proc/stat")
@@ -114,12 +133,13 @@ def report_example(example, site, runs, lines):
     if not page.is_file() or len(scripts) != 1:
         fail(f"{example}: no built page or download in {site}; run `make html` first")
     on_page = ratios(page_output(page))
-    fresh, speeds, speedups, steals = [], [], [], []
+    fresh, speeds, speedups, write_speedups, steals = [], [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for run in range(runs):
             speed, speedup = matmul_speeds()
             speeds.append(speed)
             speedups.append(speedup)
+            write_speedups.append(write_speedup())
             started, counters = time.perf_counter(), cpu_times()
             fresh.append(ratios(run_script(scripts[0], workdir)))
             steals.append(steal_share(counters, cpu_times()))
@@ -138,6 +158,10 @@ def report_example(example, site, runs, lines):
     lines.append(
         "  all threads against one, matrix product, just before each run: "
         + " ".join(f"{s:.2f}x" for s in speedups)
+    )
+    lines.append(
+        "  all threads against one, writing 256 MiB, just before each run: "
+        + " ".join(f"{s:.2f}x" for s in write_speedups)
     )
     lines.append(
         "  CPU time the host took (steal) during each run: "
@@ -208,6 +232,9 @@ def main():
         "all threads against one: a matrix product's speed-up from the other cores just before "
         "each run; well below the thread count, the cores were not all free (other work on "
         "this machine or its host)",
+        "writing: the same for filling 256 MiB, which memory bandwidth limits; near 1x, one "
+        "core already drew all the bandwidth the machine gave (on a virtual machine, the "
+        "host's memory is shared with other machines)",
         "steal: on a virtual machine, the share of CPU time during the run that the host gave "
         "to others (Linux's /proc/stat)",
     ]
