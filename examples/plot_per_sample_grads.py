@@ -101,7 +101,7 @@ METHOD_COLORS = {
 # kernel, and no trimming of the heap. It changes only this Python process. A later section
 # measures what fresh pages cost. Without glibc (macOS, Windows) the cell changes nothing and
 # says so; timings there may vary more from run to run.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # from glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
 
 
 def glibc():
