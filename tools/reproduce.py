@@ -53,21 +53,26 @@ def ratios(text):
     return found
 
 
+def one_and_all_threads(stmt, **names):
+    """Median seconds of ``stmt`` on one thread and on all of torch's threads."""
+    import torch
+    from torch.utils import benchmark
+
+    return [
+        benchmark.Timer(stmt, globals=names, num_threads=n)
+        .blocked_autorange(min_run_time=0.2)
+        .median
+        for n in (1, torch.get_num_threads())
+    ]
+
+
 def matmul_speeds():
     """A 512×512 matrix product's speed on one thread (GFLOP/s), and how many times faster
     it runs on all threads than on one."""
     import torch
-    from torch.utils import benchmark
 
-    a = torch.randn(512, 512)
-    threads = torch.get_num_threads()
-    times = [
-        benchmark.Timer("a @ a", globals={"a": a}, num_threads=n)
-        .blocked_autorange(min_run_time=0.2)
-        .median
-        for n in (1, threads)
-    ]
-    return 2 * 512**3 / times[0] / 1e9, times[0] / times[1]
+    one, every = one_and_all_threads("a @ a", a=torch.randn(512, 512))
+    return 2 * 512**3 / one / 1e9, one / every
 
 
 def write_speedup():
@@ -75,17 +80,10 @@ def write_speedup():
     thread does. Writing is bound by memory bandwidth, not arithmetic: a speed-up near one
     means one core already drew all the bandwidth that the machine gave at that moment."""
     import torch
-    from torch.utils import benchmark
 
-    held = torch.empty(64 << 20)  # 256 MiB of float32, larger than any CPU cache
-    held.fill_(0.0)
-    times = [
-        benchmark.Timer("held.fill_(1.0)", globals={"held": held}, num_threads=n)
-        .blocked_autorange(min_run_time=0.2)
-        .median
-        for n in (1, torch.get_num_threads())
-    ]
-    return times[0] / times[1]
+    held = torch.zeros(64 << 20)  # 256 MiB of float32, larger than any CPU cache
+    one, every = one_and_all_threads("held.fill_(1.0)", held=held)
+    return one / every
 
 
 def cpu_times():
