@@ -313,6 +313,16 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
         r"all threads against one, writing.*before each run: \d+\.\d\dx\n",
         result.stdout,
     )
+    # The machine's own ratio of per-call overhead to arithmetic, which a loop-against-batch
+    # ratio inherits, with its spread over the runs, and how many examples it moved for.
+    assert re.search(
+        r"machine's own ratio, 100 small .*before each run: \d+\.\d\d \(spread 0%\)\n",
+        result.stdout,
+    )
+    assert re.search(
+        r"the machine's own ratio moved by more than ±25% over the runs of 0 of 1 examples",
+        result.stdout,
+    )
     # And what share of the CPU time the host took during it (on Linux, always readable).
     assert re.search(r"\(steal\) during each run: \d+\.\d%\n", result.stdout)
 

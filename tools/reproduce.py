@@ -6,8 +6,10 @@ reads every ratio it prints (a number followed by "x", such as "2.07x" or "2.07 
 for each ratio, the value on the built page beside the spread of the fresh runs, and writes the
 same report to a file. Before each run it also measures how fast one thread runs a matrix
 product and how much the other threads speed it up (and a large write, which memory bandwidth
-limits), and during each run it reads how much CPU time the host of a virtual machine took away
-(steal), because on a shared machine the cores come and go, and with them every timing. It is a
+limits), and the machine's own ratio between two kinds of work that the pages compare (many
+small operations, bound by per-call overhead, against one matrix product, bound by arithmetic),
+and during each run it reads how much CPU time the host of a virtual machine took away (steal),
+because on a shared machine the cores come and go, and with them every timing. It is a
 report, not a test: timings never fail it. It exits non-zero only when it cannot do its job (no
 built site, a script that fails).
 """
@@ -86,6 +88,30 @@ def write_speedup():
     return one / every
 
 
+def overhead_against_arithmetic():
+    """Time of 100 small additions (each a few microseconds of per-call overhead in Python and
+    PyTorch's dispatcher) divided by the time of one 512×512 matrix product, on all threads.
+    A page that compares a Python loop with a batched call compares these two kinds of work,
+    so where this ratio moves between runs, such a page's ratios move with it."""
+    import torch
+    from torch.utils import benchmark
+
+    def median(stmt, **names):
+        timer = benchmark.Timer(
+            stmt, globals=names, num_threads=torch.get_num_threads()
+        )
+        return timer.blocked_autorange(min_run_time=0.2).median
+
+    small = median("for _ in range(100): x.add(1.0)", x=torch.randn(16))
+    return small / median("a @ a", a=torch.randn(512, 512))
+
+
+def spread_of(values):
+    """Largest distance of a value from the values' median, as a share of that median."""
+    median = statistics.median(values)
+    return max(abs(v - median) for v in values) / median if median else 0.0
+
+
 def cpu_times():
     """The whole machine's CPU time counters from /proc/stat, or None where there is none."""
     stat = Path("/proc/stat")
@@ -132,12 +158,14 @@ def report_example(example, site, runs, lines):
         fail(f"{example}: no built page or download in {site}; run `make html` first")
     on_page = ratios(page_output(page))
     fresh, speeds, speedups, write_speedups, steals = [], [], [], [], []
+    machine_ratios = []
     with tempfile.TemporaryDirectory() as workdir:
         for run in range(runs):
             speed, speedup = matmul_speeds()
             speeds.append(speed)
             speedups.append(speedup)
             write_speedups.append(write_speedup())
+            machine_ratios.append(overhead_against_arithmetic())
             started, counters = time.perf_counter(), cpu_times()
             fresh.append(ratios(run_script(scripts[0], workdir)))
             steals.append(steal_share(counters, cpu_times()))
@@ -160,6 +188,12 @@ def report_example(example, site, runs, lines):
     lines.append(
         "  all threads against one, writing 256 MiB, just before each run: "
         + " ".join(f"{s:.2f}x" for s in write_speedups)
+    )
+    lines.append(
+        "  the machine's own ratio, 100 small operations against one matrix product, "
+        "just before each run: "
+        + " ".join(f"{r:.2f}" for r in machine_ratios)
+        + f" (spread {spread_of(machine_ratios):.0%})"
     )
     lines.append(
         "  CPU time the host took (steal) during each run: "
@@ -190,7 +224,7 @@ def report_example(example, site, runs, lines):
             f"  {page_value:8.2f} {min(values):10.2f} {median:8.2f} {max(values):8.2f} "
             f"{spread:6.0%} {farthest + 1:4d} {page_off:+8.0%}  {label[:90]}{flag}"
         )
-    return len(on_page), outside
+    return len(on_page), outside, spread_of(machine_ratios)
 
 
 def main():
@@ -233,16 +267,27 @@ def main():
         "writing: the same for filling 256 MiB, which memory bandwidth limits; near 1x, one "
         "core already drew all the bandwidth the machine gave (on a virtual machine, the "
         "host's memory is shared with other machines)",
+        "the machine's own ratio: 100 small additions (per-call overhead) against one 512×512 "
+        "matrix product (arithmetic), on all threads; a page that compares a Python loop with "
+        "a batched call compares these two kinds of work, so where this ratio's spread is "
+        "over ±25%, the machine itself moved more than the rule allows",
         "steal: on a virtual machine, the share of CPU time during the run that the host gave "
         "to others (Linux's /proc/stat)",
     ]
-    total = outside = 0
+    total = outside = machine_moved = 0
     for example in examples:
-        counted, over = report_example(example, args.site, args.runs, lines)
+        counted, over, machine_spread = report_example(
+            example, args.site, args.runs, lines
+        )
         total, outside = total + counted, outside + over
+        machine_moved += machine_spread > TOLERANCE
     lines.append(
         f"\n{total} ratios, {total - outside} within ±{TOLERANCE:.0%} over the fresh runs "
         f"and on the page, {outside} not"
+    )
+    lines.append(
+        f"the machine's own ratio moved by more than ±{TOLERANCE:.0%} over the runs of "
+        f"{machine_moved} of {len(examples)} examples"
     )
     report = "\n".join(lines) + "\n"
     print(report)
