@@ -55,17 +55,19 @@ def ratios(text):
     return found
 
 
+def median_seconds(stmt, num_threads, **names):
+    """Median seconds of ``stmt`` on ``num_threads`` threads, by torch's benchmark timer."""
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt, globals=names, num_threads=num_threads)
+    return timer.blocked_autorange(min_run_time=0.2).median
+
+
 def one_and_all_threads(stmt, **names):
     """Median seconds of ``stmt`` on one thread and on all of torch's threads."""
     import torch
-    from torch.utils import benchmark
 
-    return [
-        benchmark.Timer(stmt, globals=names, num_threads=n)
-        .blocked_autorange(min_run_time=0.2)
-        .median
-        for n in (1, torch.get_num_threads())
-    ]
+    return [median_seconds(stmt, n, **names) for n in (1, torch.get_num_threads())]
 
 
 def matmul_speeds():
@@ -94,16 +96,12 @@ def overhead_against_arithmetic():
     A page that compares a Python loop with a batched call compares these two kinds of work,
     so where this ratio moves between runs, such a page's ratios move with it."""
     import torch
-    from torch.utils import benchmark
 
-    def median(stmt, **names):
-        timer = benchmark.Timer(
-            stmt, globals=names, num_threads=torch.get_num_threads()
-        )
-        return timer.blocked_autorange(min_run_time=0.2).median
-
-    small = median("for _ in range(100): x.add(1.0)", x=torch.randn(16))
-    return small / median("a @ a", a=torch.randn(512, 512))
+    threads = torch.get_num_threads()
+    small = median_seconds(
+        "for _ in range(100): x.add(1.0)", threads, x=torch.randn(16)
+    )
+    return small / median_seconds("a @ a", threads, a=torch.randn(512, 512))
 
 
 def spread_of(values):
