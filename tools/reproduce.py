@@ -210,7 +210,7 @@ def report_example(example, site, runs, lines):
             continue
         median = statistics.median(values)
         farthest = max(range(runs), key=lambda i: abs(values[i] - median))
-        spread = abs(values[farthest] - median) / median if median else 0.0
+        spread = spread_of(values)
         page_off = (page_value - median) / median if median else 0.0
         flag = (
             ""
