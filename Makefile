@@ -10,7 +10,8 @@ NEEDS   ?= $(STAMP) usable-venv
 BUILD   := _build
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 EXAMPLE ?=
-EXAMPLES := $(sort $(basename $(notdir $(wildcard examples/plot_*.py))))
+# Every example, by name: the gallery's sections are the folders of examples/.
+EXAMPLES := $(sort $(basename $(notdir $(wildcard examples/*/plot_*.py))))
 SPHINXOPTS ?=
 LINTED  := examples tests docs tools conf.py
 # Spelling (codespell) of what readers read; reST markup (sphinx-lint) of the hand-written pages.
@@ -18,7 +19,7 @@ SPELLED := examples docs README.md
 NOT_SPELLED := docs/auto_examples,docs/gen_modules,docs/_inventories,docs/sg_execution_times.rst
 # Names codespell takes for typos: Bu (Bu et al., 2023, on the DP-SGD page).
 NOT_TYPOS := bu
-MARKUP  := $(filter-out docs/sg_execution_times.rst,$(wildcard docs/*.rst)) examples/README.rst
+MARKUP  := $(filter-out docs/sg_execution_times.rst,$(wildcard docs/*.rst)) $(wildcard examples/README.rst examples/*/README.rst)
 # make reproduce: fresh runs per example, and where the full report goes (the timings page shows it)
 RUNS    ?= 5
 REPORT  ?= docs/measured/reproduce-report.txt
@@ -55,7 +56,7 @@ usable-venv:
 	  { echo "error: $(VENV) is stale or broken ($(PY) cannot import sphinx and torch); remove it (rm -rf $(VENV)) and run make again" >&2; exit 1; }
 
 known-example:
-	@if [ -n "$(EXAMPLE)" ] && [ ! -f "examples/$(basename $(EXAMPLE)).py" ]; then \
+	@if [ -n "$(EXAMPLE)" ] && [ -z "$(filter $(basename $(EXAMPLE)),$(EXAMPLES))" ]; then \
 	  echo "error: no example called '$(EXAMPLE)'. The examples are: $(EXAMPLES)" >&2; exit 1; fi
 
 html: known-example $(NEEDS)  ## Build the site, running the examples, into _build/html

@@ -34,9 +34,9 @@ extensions = [
 ]
 # sphinx-gallery's downloads sit beside its pages; they are not pages.
 exclude_patterns = [
-    "auto_examples/*.ipynb",
-    "auto_examples/*.py",
-    "auto_examples/*.zip",
+    "auto_examples/**.ipynb",
+    "auto_examples/**.py",
+    "auto_examples/**.zip",
 ]
 # An API name that resolves nowhere fails the build.
 nitpicky = True
@@ -78,7 +78,14 @@ sphinx_gallery_conf = {
     "filename_pattern": re.escape(f"{os.sep}{_only_example}.py") + "$"
     if _only_example
     else re.escape(os.sep) + "plot_",
-    # The gallery follows the reading order of the index page.
+    # Sections in reading order, and in each section the order of the index page.
+    "subsection_order": [
+        "../examples/start_here",
+        "../examples/per_sample_gradients",
+        "../examples/jacobians_and_curvature",
+        "../examples/models_as_functions",
+        "../examples/guides",
+    ],
     "within_subsection_order": "reading_order.ReadingOrder",
     # Notebooks open with a cell that installs what their example imports, where missing.
     "first_notebook_cell": install_cell(),

@@ -43,7 +43,7 @@ BUILT_TREES = []  # the site fixture's build, for the time report at the end
 def example_times(execution_times_rst):
     """(seconds, example) for each example on sphinx-gallery's execution-times page."""
     rows = re.findall(
-        r"\(``\.\./examples/(plot_\w+\.py)``\)\s*\n\s*- (\d+):(\d+\.\d+)",
+        r"\(``\.\./examples/(?:\w+/)*(plot_\w+\.py)``\)\s*\n\s*- (\d+):(\d+\.\d+)",
         execution_times_rst,
     )
     return sorted(

@@ -13,9 +13,18 @@ SOURCES = ["conf.py", "Makefile", "requirements.txt", "docs", "examples", "tools
 GENERATED = shutil.ignore_patterns(
     "auto_examples", "gen_modules", "sg_execution_times.rst", "__pycache__"
 )
+# Each example as a path relative to examples/: the gallery's sections are its folders.
 EXAMPLES = sorted(
     p.relative_to(REPO / "examples") for p in (REPO / "examples").rglob("plot_*.py")
 )
+
+
+def example_path(name: str) -> Path:
+    """An example's path relative to examples/, from its file name."""
+    (path,) = [example for example in EXAMPLES if example.name == name]
+    return path
+
+
 # The repository the tests pretend to publish from: it turns on the "Run in Google Colab" button.
 TEST_REPOSITORY = "example-owner/torch-func-by-example"
 # GitHub Pages serves that repository's site under this path, and so does the test server.
@@ -35,7 +44,7 @@ def copy_sources(destination: Path, examples=None) -> Path:
         else:
             shutil.copy2(source, destination / name)
     if examples is not None:
-        for example in (destination / "examples").glob("plot_*.py"):
+        for example in (destination / "examples").rglob("plot_*.py"):
             if example.name not in examples:
                 example.unlink()
     return destination

@@ -1,6 +1,5 @@
 """What `make html` produces, and how it fails."""
 
-import ast
 import os
 import re
 import shutil
@@ -11,9 +10,16 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from helpers import EXAMPLES, MINIMAL_INDEX, REPO, copy_sources, make, small_site, soup
-
-HEX_COLOUR = re.compile(r"#[0-9A-Fa-f]{6}\b")
+from helpers import (
+    EXAMPLES,
+    MINIMAL_INDEX,
+    REPO,
+    copy_sources,
+    example_path,
+    make,
+    small_site,
+    soup,
+)
 
 
 def test_make_html_says_where_to_open_the_site(site):
@@ -91,13 +97,14 @@ def test_no_page_loads_anything_from_another_host(site):
 
 def test_a_broken_example_fails_the_build_and_is_named(tmp_path):
     tree = small_site(tmp_path, examples=())
-    source = (REPO / "examples" / "plot_batch_jacobians_hessians.py").read_text()
+    batch_page = example_path("plot_batch_jacobians_hessians.py")
+    source = (REPO / "examples" / batch_page).read_text()
     correct = "reference_jacobians = (1 - outputs64**2)[:, :, None] * weight64"
     assert correct in source
     broken = source.replace(
         correct, "reference_jacobians = (1 + outputs64**2)[:, :, None] * weight64"
     )
-    (tree / "examples" / "plot_broken_copy.py").write_text(broken)
+    (tree / "examples" / batch_page.parent / "plot_broken_copy.py").write_text(broken)
     result = make(tree, "html", "EXAMPLE=plot_broken_copy")
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-3000:]
@@ -130,7 +137,7 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
     torch.compile's caches, and a heap without the last example's freed memory."""
     tree = copy_sources(tmp_path, examples=set())
     (tree / "docs" / "index.rst").write_text(MINIMAL_INDEX)
-    (tree / "examples" / "plot_zz_leak_a.py").write_text(
+    (tree / "examples" / "guides" / "plot_zz_leak_a.py").write_text(
         '"""\nLeaks state\n===========\n"""\n'
         "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n\n"
         "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)\n"
@@ -148,7 +155,7 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
         "status = open('/proc/self/status').read()\n"
         "os.environ['RESIDENT_KIB'] = re.search(r'VmRSS:\\s+(\\d+)', status).group(1)\n"
     )
-    (tree / "examples" / "plot_zz_leak_b.py").write_text(
+    (tree / "examples" / "guides" / "plot_zz_leak_b.py").write_text(
         '"""\nFinds a fresh start\n===================\n"""\n'
         "import matplotlib\nimport matplotlib.pyplot as plt\nimport torch\n"
         "from torch.func import vmap\n\n"
@@ -181,13 +188,13 @@ def test_examples_do_not_leak_global_state_into_each_other(tmp_path):
 
 def test_gallery_lists_examples_in_the_index_pages_reading_order(site):
     index_order = re.findall(
-        r"auto_examples/(plot_\w+)\.html", (site.html / "index.html").read_text()
+        r"auto_examples/(?:\w+/)*(plot_\w+)\.html",
+        (site.html / "index.html").read_text(),
     )
     index_order = list(dict.fromkeys(index_order))
     gallery = soup(site.html / "auto_examples" / "index.html")
     gallery_order = [
-        a["href"].removesuffix(".html")
-        for a in gallery.select("div.sphx-glr-thumbcontainer a")
+        Path(a["href"]).stem for a in gallery.select("div.sphx-glr-thumbcontainer a")
     ]
     assert gallery_order == index_order
     assert sorted(gallery_order) == sorted(e.stem for e in EXAMPLES)
@@ -207,35 +214,9 @@ def test_api_names_in_the_prose_link_to_the_pytorch_reference(site):
     assert linked >= 10
 
 
-def method_colors(example):
-    """The METHOD_COLORS dict an example defines, read from its source."""
-    tree = ast.parse((REPO / "examples" / example).read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "METHOD_COLORS" for t in node.targets
-        ):
-            return ast.literal_eval(node.value), node
-    raise AssertionError(f"{example} defines no METHOD_COLORS")
-
-
-def test_one_method_keeps_one_colour_on_every_page():
-    palettes = {example: method_colors(example)[0] for example in EXAMPLES}
-    first = next(iter(palettes.values()))
-    for example, palette in palettes.items():
-        assert palette == first, f"{example} colours methods differently"
-    assert len(set(first.values())) == len(first), "two methods share a colour"
-    assert "#000000" not in first.values(), "black is for guides, not for a method"
-    for example in EXAMPLES:
-        lines = (REPO / "examples" / example).read_text(encoding="utf-8").splitlines()
-        _, node = method_colors(example)
-        outside = lines[: node.lineno - 1] + lines[node.end_lineno :]
-        stray = [line.strip() for line in outside if HEX_COLOUR.search(line)]
-        assert not stray, f"{example} picks colours outside METHOD_COLORS: {stray}"
-
-
 def run_mutated_example(tmp_path, example, anchor, replacement):
     """Run an example, with `anchor` replaced, as a plain script; return the result."""
-    source = (REPO / "examples" / example).read_text(encoding="utf-8")
+    source = (REPO / "examples" / example_path(example)).read_text(encoding="utf-8")
     assert source.count(anchor) == 1, f"{example} no longer contains {anchor!r}"
     script = tmp_path / example
     script.write_text(source.replace(anchor, replacement), encoding="utf-8")
@@ -292,7 +273,7 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
     example = "plot_batch_jacobians_hessians"
     result = make(site.tree, "reproduce", f"EXAMPLE={example}", "RUNS=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    page = (site.html / "auto_examples" / f"{example}.html").read_text()
+    page = site.page(example_path(f"{example}.py")).read_text()
     page_ratios = re.findall(r"(\d+\.\d+)x faster than the loop", page)
     assert len(page_ratios) == 3  # sum trick and vmap for Jacobians, vmap for Hessians
     rows = [
@@ -509,7 +490,7 @@ def test_a_misspelling_or_broken_markup_fails_lint_naming_the_file(tmp_path):
     shutil.copytree(
         REPO / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__")
     )
-    example = tree / "examples" / "plot_pitfalls.py"
+    example = tree / "examples" / example_path("plot_pitfalls.py")
     clean = example.read_text(encoding="utf-8")
     planted = clean.replace("# Two helpers", "# Two helpers we recieve", 1)
     example.write_text(planted, encoding="utf-8")
@@ -542,7 +523,9 @@ def test_the_lines_read_by_machine_are_on_the_page_in_their_fixed_form(site, exa
     pattern, at_least = MACHINE_READ_LINES[example]
     output = "\n".join(
         pre.get_text()
-        for pre in soup(site.page(Path(example))).select("div.sphx-glr-script-out pre")
+        for pre in soup(site.page(example_path(example))).select(
+            "div.sphx-glr-script-out pre"
+        )
     )
     lines = [line for line in output.splitlines() if re.fullmatch(pattern, line)]
     assert len(lines) >= at_least, (

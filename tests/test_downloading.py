@@ -10,7 +10,7 @@ import zipfile
 import nbformat
 import pytest
 from bs4 import BeautifulSoup
-from helpers import EXAMPLES, REPO, TEST_REPOSITORY, make, small_site
+from helpers import EXAMPLES, REPO, TEST_REPOSITORY, example_path, make, small_site
 from nbclient import NotebookClient
 
 CELL_TIMEOUT_S = 300
@@ -221,7 +221,7 @@ def test_without_a_repository_the_colab_button_is_left_out_quietly(tmp_path):
     ]  # -W: no warning
     for example in shown:
         html = (
-            (tree / "_build/html/auto_examples" / example)
+            (tree / "_build/html/auto_examples" / example_path(example))
             .with_suffix(".html")
             .read_text()
         )

@@ -26,7 +26,10 @@ import thumbnail_alt_text  # noqa: E402
 
 
 def test_reading_order_follows_the_index_and_puts_unlisted_examples_last():
-    index = "\n:doc:`auto_examples/plot_b`\n:doc:`auto_examples/plot_a`\n"
+    index = (
+        "\n:doc:`auto_examples/section_one/plot_b`\n"
+        ":doc:`auto_examples/section_two/plot_a`\n:doc:`auto_examples/index`\n"
+    )
     assert reading_order.listed_examples(index) == ["plot_b", "plot_a"]
     key = reading_order.ReadingOrder("examples")
     key.order = ["plot_b", "plot_a"]
@@ -254,3 +257,19 @@ def test_a_pages_cuda_peak_leaves_out_memory_an_earlier_page_still_holds(monkeyp
         return "its result"
 
     assert cuda_peak_memory.cuda_peak_mib(example) == (300.0, "its result")
+
+
+def test_the_install_cell_follows_an_example_into_its_section_folder(
+    tmp_path, monkeypatch
+):
+    """sphinx-gallery names the example's file; the hook finds it in its section's folder."""
+    (tmp_path / "privacy").mkdir()
+    (tmp_path / "privacy" / "plot_x.py").write_text("import opacus\nimport torch\n")
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "guides" / "plot_y.py").write_text("import torch\n")
+    monkeypatch.setattr(notebook_install_cell, "EXAMPLES", tmp_path)
+    conf = {}
+    notebook_install_cell.first_cell_for_example(conf, "plot_x.py")
+    assert '"opacus": "opacus==' in conf["first_notebook_cell"]
+    notebook_install_cell.first_cell_for_example(conf, "plot_y.py")
+    assert "opacus" not in conf["first_notebook_cell"]

@@ -150,10 +150,11 @@ def run_script(script, workdir):
 
 
 def report_example(example, site, runs, lines):
-    page = site / "auto_examples" / f"{example}.html"
+    pages = list((site / "auto_examples").rglob(f"{example}.html"))
     scripts = list((site / "_downloads").rglob(f"{example}.py"))
-    if not page.is_file() or len(scripts) != 1:
+    if len(pages) != 1 or len(scripts) != 1:
         fail(f"{example}: no built page or download in {site}; run `make html` first")
+    page = pages[0]
     on_page = ratios(page_output(page))
     fresh, speeds, speedups, write_speedups, steals = [], [], [], [], []
     machine_ratios = []

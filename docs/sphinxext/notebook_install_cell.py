@@ -77,5 +77,6 @@ def first_cell_for_example(gallery_conf, fname):
     """``reset_modules`` hook: the coming notebook installs what this example imports."""
     if fname is None:  # entering a folder of examples, not an example
         return
-    source = (EXAMPLES / Path(fname).name).read_text(encoding="utf-8")
+    (example,) = EXAMPLES.rglob(Path(fname).name)  # the sections are subfolders
+    source = example.read_text(encoding="utf-8")
     gallery_conf["first_notebook_cell"] = install_cell(needed_packages(source))

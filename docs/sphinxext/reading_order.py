@@ -12,7 +12,7 @@ INDEX = Path(__file__).resolve().parent.parent / "index.rst"
 
 def listed_examples(index_text):
     """Example names in the order the index page links them."""
-    return re.findall(r":doc:`auto_examples/(plot_\w+)`", index_text)
+    return re.findall(r":doc:`auto_examples/(?:\w+/)*(plot_\w+)`", index_text)
 
 
 class ReadingOrder:
