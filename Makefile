@@ -7,6 +7,10 @@ STAMP   := $(VENV)/.installed
 # What the site targets need first. The tests set it empty, to build a copy of the sources
 # with the interpreter they already run in.
 NEEDS   ?= $(STAMP) usable-venv
+# Where pip may also look for torch. Empty: the package index alone, whose Linux x86_64 wheel of
+# torch is the CUDA build (several GB of CUDA libraries, used or not). PyTorch's own index of CPU
+# builds, TORCH_INDEX=https://download.pytorch.org/whl/cpu, gives the small CPU build instead.
+TORCH_INDEX ?=
 BUILD   := _build
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 EXAMPLE ?=
@@ -38,7 +42,8 @@ help:  ## List the targets
 	@echo "torch.func by example. Targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14 | sed 's/^/  make /'
 	@echo "Variables: EXAMPLE=plot_name (one example, for html and reproduce), RUNS=5 (reproduce),"
-	@echo "           PYTHON=python3.11 (to create .venv), CHROMIUM=/path/to/chrome (tests)"
+	@echo "           PYTHON=python3.11 (to create .venv), CHROMIUM=/path/to/chrome (tests),"
+	@echo "           TORCH_INDEX=https://download.pytorch.org/whl/cpu (.venv with torch's CPU build)"
 
 venv: $(STAMP)  ## Create .venv from requirements.txt (again when requirements.txt changes)
 
@@ -48,7 +53,7 @@ $(STAMP): requirements.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements.txt
 	touch $@
 
 usable-venv:

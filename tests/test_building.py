@@ -533,3 +533,17 @@ def test_the_lines_read_by_machine_are_on_the_page_in_their_fixed_form(site, exa
     )
     for line in lines:
         assert float(re.fullmatch(pattern, line).groups()[-1]) > 0, line
+
+
+def test_torch_index_reaches_pip_only_when_asked(tmp_path):
+    """TORCH_INDEX adds PyTorch's CPU index to the install; without it, pip uses its own."""
+    tree = copy_sources(tmp_path)
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    asked = make(tree, "-n", "-B", "venv", f"TORCH_INDEX={cpu_index}").stdout
+    (install,) = [line for line in asked.splitlines() if "-r requirements.txt" in line]
+    assert f"--extra-index-url {cpu_index} -r requirements.txt" in install
+    default = make(tree, "-n", "-B", "venv").stdout
+    (install,) = [
+        line for line in default.splitlines() if "-r requirements.txt" in line
+    ]
+    assert "--extra-index-url" not in install and "--index-url" not in install
