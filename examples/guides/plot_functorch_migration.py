@@ -3,35 +3,25 @@ From functorch to ``torch.func``
 ================================
 
 ``functorch`` was the library in which PyTorch's function transforms grew up; since PyTorch
-2.0 they live in :mod:`torch.func`, and most of functorch's names are deprecated. This page
-takes each old name, shows the code you may have, and gives its ``torch.func`` equivalent.
-PyTorch 2.13 still ships ``functorch`` as a thin compatibility package, so on this page the
-old code *runs* too: each "before" is executed, its deprecation warning printed, and each
-"after" is checked against it. When a later release deletes the old names, the "before"
-cells here will fail, and the "after" cells are what you should already be using.
-
-You will learn what replaces ``make_functional`` and ``make_functional_with_buffers``
-(:func:`~torch.func.functional_call`), ``combine_state_for_ensemble``
-(:func:`~torch.func.stack_module_state`), the transforms themselves, ``functorch.compile``
-(``torch.compile``), ``functorch.einops.rearrange`` and ``functionalize``.
+2.0 they live in :mod:`torch.func`. This page runs each functorch name you may find in older
+code (torch 2.13 still ships ``functorch``; most of its names warn that they are deprecated,
+some do not) and gives its ``torch.func`` replacement, checked against a reference that uses
+neither: a gradient in closed form, each module run alone, the eager function, or the traced
+graph of operations.
 """
 
 # %%
-# Where this page ran
-# -------------------
-# The page times one comparison (an ensemble), so it says what it ran on. We use the GPU when
-# there is one and seed the random number generator.
+# Running the old code
+# --------------------
+# Each "before" runs inside ``old_code``, which records the warnings it raises. Where the page
+# names a replacement, the deprecation warning must name the same one; where it names none,
+# there must be no deprecation warning at all.
 import copy
-import ctypes
-import os
-import platform
 import re
-import statistics
-import textwrap
 import warnings
-from pathlib import Path
 
 import functorch
+import functorch.experimental
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
@@ -47,165 +37,125 @@ from torch.func import (
     stack_module_state,
     vmap,
 )
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import benchmark
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 
 
-def describe_hardware():
-    """One line naming the processor or GPU, torch's version and its thread count."""
-    if device.type == "cuda":
-        name = f"GPU: {torch.cuda.get_device_name(device)}"
-    else:
-        cpuinfo = Path("/proc/cpuinfo")  # Linux names the CPU model here
-        model = (
-            re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-            if cpuinfo.exists()
-            else None
-        )
-        cpu = model.group(1) if model else (platform.processor() or platform.machine())
-        name = f"CPU: {cpu}, {os.cpu_count()} cores"
-    return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-
-
-print(describe_hardware())
-
-# One colour per method, the same on every page of this site: colour-blind-safe hues from
-# Okabe and Ito's palette and Tol's. Black is kept for guides: thresholds, fits, markers.
-METHOD_COLORS = {
-    "loop": "#D55E00",
-    "vmap": "#009E73",
-    "batched": "#666666",
-    "jacrev": "#0072B2",
-    "jacfwd": "#E69F00",
-    "hessian": "#56B4E9",
-    "jacrev(jacfwd)": "#882255",
-    "sum trick": "#CC79A7",
-    "vmap chunked": "#44AA99",
-    "compiled": "#117733",
-    "expanded weights": "#332288",
-    "opacus": "#AA4499",
-    "hand-written": "#999933",
-    "ghost clipping": "#CC6677",
-    "book-keeping": "#6699CC",
-    "forward-over-reverse": "#EE3377",
-    "reverse-over-reverse": "#997700",
-    "reverse-over-forward": "#BBCC33",
-    "GGN": "#EE8866",
-    "ntk-vector products": "#5D69B1",
-    "linearize": "#CC3311",
-}
-
-# %%
-# Pinning the memory allocator's policy
-# -------------------------------------
-# As on every page of this site, glibc is asked to keep freed memory for reuse, so that the
-# timing below does not depend on what the process did before. Without glibc the cell
-# changes nothing and says so.
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
-
-
-def keep_freed_memory():
-    """Reuse freed memory instead of returning it to the kernel; False without glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1))
-
-
-print(
-    "allocator: glibc keeps freed memory for reuse"
-    if keep_freed_memory()
-    else "allocator: not glibc, left as it is (timings may vary more between runs)"
-)
-
-# %%
-# Running the old code
-# --------------------
-# ``run_deprecated`` runs a "before" cell, records the warnings it raises, and prints each
-# distinct deprecation message once, in full.
-
-
-def run_deprecated(fn):
-    """fn()'s result; its deprecation warnings (FutureWarning) are printed, not raised."""
+def old_code(call, replacement=None):
+    """call()'s result, after checking the deprecation warning it raises, if any."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = fn()
-    messages = dict.fromkeys(
-        str(w.message) for w in caught if issubclass(w.category, FutureWarning)
-    )
-    for message in messages:
-        print("FutureWarning:")
-        print(textwrap.fill(" ".join(message.split()), width=88))
-    return result, list(messages)
+        result = call()
+    found = [" ".join(str(w.message).split()) for w in caught]
+    assert all(w.category is FutureWarning for w in caught), found
+    assert bool(found) == bool(replacement), found  # a warning only where one is named
+    assert all(f"Please use `{replacement}`" in m for m in found), found
+    print(f"FutureWarning: {re.search(r'`functorch.*?instead', found[0]).group()}"
+          if found else "no warning")  # fmt: skip
+    return result
 
 
 plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
-model = (
-    nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    .to(device)
-    .eval()
-)  # fmt: skip (with buffers: BatchNorm's running statistics)
 inputs = torch.randn(5, 8, device=device)
 
 # %%
 # ``make_functional`` → ``functional_call``
 # -----------------------------------------
 # **Before**: ``make_functional`` split a module into a stateless copy and a tuple of its
-# parameters, and the copy took the tuple as its first argument. (It refuses modules that have
-# buffers; those needed the next section's function.)
-(old_fmodel, old_params), messages = run_deprecated(
-    lambda: functorch.make_functional(plain)
+# parameters, and the copy took the tuple as its first argument.
+old_fmodel, old_params = old_code(
+    lambda: functorch.make_functional(plain), "torch.func.functional_call"
 )
-old_output = old_fmodel(old_params, inputs)
-assert any("make_functional" in m for m in messages)
+torch.testing.assert_close(old_fmodel(old_params, inputs), plain(inputs))
 
 # %%
-# **After**: the module stays as it is, and :func:`~torch.func.functional_call` runs it with
-# a dictionary of tensors in place of its own, keyed by parameter name. Transforms take the
-# dictionary as their argument: ``grad`` returns a dictionary of the same names.
+# **After**: the module stays as it is, and :func:`~torch.func.functional_call` runs it with a
+# dictionary of tensors in place of its own, keyed by parameter name.
 plain_params = {name: p.detach() for name, p in plain.named_parameters()}
 new_output = functional_call(plain, plain_params, (inputs,))
-torch.testing.assert_close(new_output, old_output)
-grads = grad(lambda p: functional_call(plain, p, (inputs,)).square().sum())(
-    plain_params
+torch.testing.assert_close(new_output, plain(inputs))
+print("functional_call: the same output as the module itself")
+
+
+# %%
+# Gradients with respect to the parameters
+# ----------------------------------------
+# ``grad`` of a function of that dictionary returns a dictionary with the same names; the old
+# ``functorch.grad`` returned a tuple in the order of ``parameters()``. The reference is the
+# gradient of ``sum(output²)`` worked out by hand for Linear, ReLU, Linear. Both results are
+# compared with it name by name, so a missing or extra tensor fails instead of being skipped
+# (``zip`` on its own would stop at the shorter side).
+def squared_output(p):
+    return functional_call(plain, p, (inputs,)).square().sum()
+
+
+new_grads = grad(squared_output)(plain_params)
+old_grads = old_code(
+    lambda: functorch.grad(lambda p: old_fmodel(p, inputs).square().sum())(old_params),
+    "torch.func.grad",
 )
-old_grads, _ = run_deprecated(
-    lambda: functorch.grad(lambda p: old_fmodel(p, inputs).square().sum())(old_params)
-)
-for (name, g), old_g in zip(grads.items(), old_grads):
-    torch.testing.assert_close(g, old_g, msg=lambda m, name=name: f"{name}: {m}")
-print("functional_call: same output and same gradients, now keyed by name")
+# The tuple follows parameters(), the order of named_parameters(): name it, lengths checked.
+old_grads = dict(zip(plain_params, old_grads, strict=True))
+
+w1, b1, w2, b2 = (p.double() for p in plain_params.values())  # float64 reference
+x64 = inputs.double()
+before_relu = x64 @ w1.T + b1
+hidden = before_relu.relu()
+d_output = 2 * (hidden @ w2.T + b2)
+d_before_relu = (d_output @ w2) * (before_relu > 0)
+closed_form = {
+    "0.weight": d_before_relu.T @ x64,
+    "0.bias": d_before_relu.sum(0),
+    "2.weight": d_output.T @ hidden,
+    "2.bias": d_output.sum(0),
+}
+assert new_grads.keys() == old_grads.keys() == closed_form.keys()
+for name, expected in closed_form.items():
+    errors = [
+        ((grads[name].double() - expected).norm() / expected.norm()).item()
+        for grads in (new_grads, old_grads)
+    ]
+    print(f"{name:8s} relative error, new and old: {errors[0]:.1e}, {errors[1]:.1e}")
+    assert max(errors) < 1e-5, (name, errors)
 
 # %%
 # ``make_functional_with_buffers`` → ``functional_call`` with buffers
 # -------------------------------------------------------------------
-# **Before**: buffers (here BatchNorm's running statistics) came back as a second tuple.
-(old_fmodel_b, old_params_b, old_buffers), messages = run_deprecated(
-    lambda: functorch.make_functional_with_buffers(model)
+# **Before**: buffers (here BatchNorm's running statistics, in evaluation mode) came back as a
+# second tuple.
+model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+model = model.to(device).eval()
+old_fmodel_b, old_params_b, old_buffers = old_code(
+    lambda: functorch.make_functional_with_buffers(model), "torch.func.functional_call"
 )
-old_output = old_fmodel_b(old_params_b, old_buffers, inputs)
+old_output_b = old_fmodel_b(old_params_b, old_buffers, inputs)
+torch.testing.assert_close(old_output_b, model(inputs))
 
 # %%
 # **After**: pass a pair of dictionaries (or one merged dictionary) to ``functional_call``.
-params = {name: p.detach() for name, p in model.named_parameters()}
-buffers = {name: b for name, b in model.named_buffers()}
-new_output = functional_call(model, (params, buffers), (inputs,))
-torch.testing.assert_close(new_output, old_output)
-print(f"functional_call with {len(buffers)} buffers: same output")
+bn_params = {name: p.detach() for name, p in model.named_parameters()}
+buffers = dict(model.named_buffers())
+new_output_b = functional_call(model, (bn_params, buffers), (inputs,))
+torch.testing.assert_close(new_output_b, model(inputs))
+print(f"functional_call with {len(buffers)} buffers: the same output as the module")
 
 # %%
 # ``combine_state_for_ensemble`` → ``stack_module_state``
 # -------------------------------------------------------
 # **Before**: several models of the same architecture became one functional model with stacked
-# parameters and buffers, and ``vmap`` ran all of them at once.
+# parameters and buffers, and ``vmap`` ran all of them at once. The reference for both old and
+# new is each member run on its own.
 members = [copy.deepcopy(model) for _ in range(8)]
 for member in members:
     for p in member.parameters():
         p.data.normal_()
-(old_fmodel_e, old_params_e, old_buffers_e), messages = run_deprecated(
-    lambda: functorch.combine_state_for_ensemble(members)
+old_fmodel_e, old_params_e, old_buffers_e = old_code(
+    lambda: functorch.combine_state_for_ensemble(members),
+    "torch.func.stack_module_state",
 )
 old_ensemble = vmap(old_fmodel_e, in_dims=(0, 0, None))(
     old_params_e, old_buffers_e, inputs
@@ -217,7 +167,7 @@ old_ensemble = vmap(old_fmodel_e, in_dims=(0, 0, None))(
 # template lives on the ``"meta"`` device: it holds shapes, not memory, because its own
 # weights are never used.
 stacked_params, stacked_buffers = stack_module_state(members)
-template = copy.deepcopy(members[0]).to("meta")
+template = copy.deepcopy(model).to("meta")
 
 
 def run_member(member_params, member_buffers, x):
@@ -227,144 +177,197 @@ def run_member(member_params, member_buffers, x):
 ensemble = vmap(run_member, in_dims=(0, 0, None))(
     stacked_params, stacked_buffers, inputs
 )
-torch.testing.assert_close(ensemble, old_ensemble)
-for member, output in zip(members, ensemble):
-    torch.testing.assert_close(output, member(inputs))
+for member, new, old in zip(members, ensemble, old_ensemble, strict=True):
+    torch.testing.assert_close(new, member(inputs))
+    torch.testing.assert_close(old, member(inputs))
 print(f"stack_module_state: {len(members)} models in one call, each as if run alone")
 
-# %%
-# One vmapped call replaces a Python loop over the members. Whether it is faster depends on
-# the hardware and the size of the members: on a GPU it saves a kernel launch per member and
-# layer; on a CPU, for members this small, the gain can be small or negative. Timed here:
-ensemble_fns = {
-    "loop": lambda: [member(inputs) for member in members],
-    "vmap": lambda: vmap(run_member, in_dims=(0, 0, None))(
-        stacked_params, stacked_buffers, inputs
-    ),
-}
-timers = {
-    name: benchmark.Timer(
-        stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
-    )
-    for name, fn in ensemble_fns.items()
-}
-for fn in ensemble_fns.values():
-    for _ in range(3):  # warm-up, untimed
-        fn()
-rounds_ms = {name: [] for name in ensemble_fns}
-for _ in range(9):  # the two take turns, so a slow spell of the machine slows both
-    for name, timer in timers.items():
-        rounds_ms[name].append(timer.blocked_autorange(min_run_time=0.05).median * 1e3)
-ensemble_ms = {name: statistics.median(times) for name, times in rounds_ms.items()}
-print(
-    f"loop over {len(members)} models {ensemble_ms['loop']:.3f} ms, vmap "
-    f"{ensemble_ms['vmap']:.3f} ms: the loop takes "
-    f"{ensemble_ms['loop'] / ensemble_ms['vmap']:.2f}x the time of vmap"
-)
 
 # %%
-# ``functorch.vmap``, ``grad``, ``jacrev`` and the rest → ``torch.func``
-# ----------------------------------------------------------------------
+# ``functorch.vmap``, ``grad_and_value`` and the other transforms → ``torch.func``
+# --------------------------------------------------------------------------------
 # **Before**: ``from functorch import vmap, grad, jacrev, jacfwd, hessian, vjp, jvp,
-# grad_and_value``. **After**: the same names from ``torch.func``, with the same arguments.
-# The old names are wrappers that forward to the new ones, so results are identical.
-# ``grad_and_value`` returns the value with the gradient, from one forward pass.
-weights = torch.randn(8, device=device)
-
-
-def loss_of(w):
+# grad_and_value``. **After**: the same names from ``torch.func`` (``vmap`` also as
+# ``torch.vmap``, the name the warning gives), with the same arguments. The old names are
+# wrappers that call the new ones, so the results are bitwise equal. ``grad_and_value``
+# returns the value with the gradient, from one forward pass. The reference: for
+# ``L(w) = Σ softplus(X w)``, the gradient is ``Xᵀ sigmoid(X w)``.
+def softplus_loss(w):
     return F.softplus(inputs @ w).sum()
 
 
-new_grad, new_value = grad_and_value(loss_of)(weights)
-(old_grad, old_value), _ = run_deprecated(
-    lambda: functorch.grad_and_value(loss_of)(weights)
+weights = torch.randn(8, device=device)
+new_grad, new_value = grad_and_value(softplus_loss)(weights)
+old_grad, old_value = old_code(
+    lambda: functorch.grad_and_value(softplus_loss)(weights),
+    "torch.func.grad_and_value",
 )
-torch.testing.assert_close(new_grad, old_grad)
-torch.testing.assert_close(new_value, loss_of(weights))
-old_mapped, _ = run_deprecated(
-    lambda: functorch.vmap(functorch.grad(loss_of))(weights.expand(3, 8))
+assert torch.equal(new_grad, old_grad) and torch.equal(new_value, old_value)
+x64, w64 = inputs.double(), weights.double()  # the closed form, in float64
+grad_error = (new_grad - x64.T @ torch.sigmoid(x64 @ w64)).norm() / new_grad.norm()
+value_error = (new_value - torch.log1p(torch.exp(x64 @ w64)).sum()).abs() / new_value
+print(f"grad_and_value: relative errors {grad_error:.1e} (gradient), {value_error:.1e}")
+assert grad_error < 1e-6 and value_error < 1e-6
+
+weight_rows = torch.randn(3, 8, device=device)
+new_rows = vmap(grad(softplus_loss))(weight_rows)
+old_rows = old_code(
+    lambda: functorch.vmap(grad(softplus_loss))(weight_rows), "torch.vmap"
 )
-torch.testing.assert_close(vmap(grad(loss_of))(weights.expand(3, 8)), old_mapped)
-print("torch.func.grad_and_value, grad and vmap: identical to functorch's")
+assert torch.equal(new_rows, old_rows)
+rows_reference = torch.sigmoid(weight_rows.double() @ x64.T) @ x64
+rows_error = ((new_rows - rows_reference).norm() / rows_reference.norm()).item()
+print(f"vmap(grad): relative error {rows_error:.1e}")
+assert rows_error < 1e-5
+print("grad_and_value, grad and vmap: bitwise equal to functorch's results")
+
 
 # %%
 # ``functorch.compile`` → ``torch.compile``
 # -----------------------------------------
 # **Before**: ``functorch.compile.aot_function(fn, fw_compiler)`` traced a function ahead of
-# time, forward and backward, and handed the graphs to a compiler you chose
-# (``memory_efficient_fusion`` picked one for you). **After**: ``torch.compile(fn)`` does the
-# tracing, the backward graph and the code generation, and composes with the transforms (see
-# the pitfalls page). Here both run the same small function; the old one with ``nop``, a
-# compiler that runs the traced graph as it is.
-
-
+# time, forward and backward, and handed the graphs to a compiler you chose; ``nop`` runs the
+# traced graph as it is. It still runs, and raises no deprecation warning; PyTorch's guide
+# "Migrating from functorch to torch.func" says functorch.compile is no longer supported as a
+# frontend, and asks users for ``torch.compile`` instead. Both are checked against the eager
+# function; the old one's backward graph against the derivative in closed form.
 def smooth(x):
     return torch.sin(x) * torch.exp(-x.square())
 
 
-points = torch.linspace(-3, 3, 101, device=device)
-old_compiled = aot_function(smooth, nop)
+points = torch.linspace(-3, 3, 101, device=device, requires_grad=True)
+old_compiled = old_code(lambda: aot_function(smooth, nop))
+values = old_compiled(points)
+(slope,) = torch.autograd.grad(values.sum(), points)
+x = points.detach()
+torch.testing.assert_close(values.detach(), smooth(x))
+expected_slope = (torch.cos(x) - 2 * x * torch.sin(x)) * (-x * x).exp()
+slope_error = ((slope - expected_slope).norm() / expected_slope.norm()).item()
+print(f"aot_function: the backward graph's slope, relative error {slope_error:.1e}")
+assert slope_error < 1e-5
+
+# %%
+# **After**: ``torch.compile(fn)`` does the tracing, the backward graph and the code
+# generation, and composes with the transforms (see
+# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`). Checked here on the forward pass.
 new_compiled = torch.compile(smooth)
-torch.testing.assert_close(old_compiled(points), smooth(points))
-torch.testing.assert_close(new_compiled(points), smooth(points))
+torch.testing.assert_close(new_compiled(points.detach()), smooth(points.detach()))
 print("aot_function(nop) and torch.compile: both equal the eager function")
 
 # %%
 # ``functorch.einops.rearrange`` → ``torch.func.rearrange``
 # ---------------------------------------------------------
-# The einops-style ``rearrange`` moved too. Flattening channels and positions of a batch:
+# The einops-style ``rearrange`` moved too, but here the old name is the new function itself,
+# and calling it raises no warning: the import is all that changes. The reference is
+# ``permute`` and ``reshape``.
+assert functorch_rearrange is rearrange
 feature_maps = torch.randn(2, 3, 4, 5, device=device)
-flattened = rearrange(feature_maps, "b c h w -> b (c h w)")
-torch.testing.assert_close(flattened, feature_maps.flatten(start_dim=1))
-torch.testing.assert_close(
-    functorch_rearrange(feature_maps, "b c h w -> b (h w) c"),
-    rearrange(feature_maps, "b c h w -> b (h w) c"),
+old_rearranged = old_code(
+    lambda: functorch_rearrange(feature_maps, "b c h w -> b (h w) c")
 )
-print("rearrange:", tuple(feature_maps.shape), "->", tuple(flattened.shape))
+rearranged = rearrange(feature_maps, "b c h w -> b (h w) c")
+expected = feature_maps.permute(0, 2, 3, 1).reshape(2, 20, 3)
+torch.testing.assert_close(rearranged, expected)
+torch.testing.assert_close(old_rearranged, expected)
+print("rearrange:", tuple(feature_maps.shape), "->", tuple(rearranged.shape))
+
 
 # %%
-# ``functorch.experimental.functionalize`` → ``torch.func.functionalize``
-# -----------------------------------------------------------------------
-# ``functionalize`` removes mutation from a function: in-place operations become out-of-place
-# ones, with the same result. (Its use under ``vmap`` is on the pitfalls page.)
-
-
-def scale_in_place(x):
+# ``functorch.functionalize`` → ``torch.func.functionalize``
+# ----------------------------------------------------------
+# :func:`~torch.func.functionalize` removes mutation from a function: in-place operations,
+# even through a view, become out-of-place ones with the same result. To see it, trace the
+# function's operations with ``make_fx`` before and after. (Early functorch releases named it
+# ``functorch.experimental.functionalize``; that name is now ``torch.func``'s own function
+# and does not warn. Its use under ``vmap`` is on the pitfalls page.)
+def triple_first_half(x):
     y = x.clone()
-    y.mul_(3)
+    y[: len(y) // 2].mul_(3)  # an in-place write through a view
     return y
 
 
-torch.testing.assert_close(functionalize(scale_in_place)(points), 3 * points)
-old_functional, _ = run_deprecated(
-    lambda: functorch.functionalize(scale_in_place)(points)
+def traced_ops(fn, x):
+    graph = make_fx(fn)(x)
+    return graph, [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def in_place(ops):
+    return [op for op in ops if op.split(".")[1].endswith("_")]
+
+
+line = torch.linspace(-3, 3, 100, device=device)
+graph, ops = traced_ops(triple_first_half, line)
+print("before:", ops)
+assert in_place(ops) == ["aten.mul_.Tensor"]
+graph, ops = traced_ops(functionalize(triple_first_half), line)
+print(graph.code.strip())
+assert not in_place(ops) and "aten.mul.Tensor" in ops, ops
+old_graph, old_ops = old_code(
+    lambda: traced_ops(functorch.functionalize(triple_first_half), line),
+    "torch.func.functionalize",
 )
-torch.testing.assert_close(old_functional, 3 * points)
-print("functionalize: same result, no in-place operations")
+assert not in_place(old_ops), old_ops
+assert functorch.experimental.functionalize is functionalize
+
+expected = torch.cat([3 * line[:50], line[50:]])
+for traced in (graph, old_graph):
+    torch.testing.assert_close(traced(line), expected)
+torch.testing.assert_close(functionalize(triple_first_half)(line), expected)
+print("functionalize: the in-place mul_ became mul, with the same result")
 
 # %%
-# The figure: the ensemble of eight models, one curve per member along one input direction,
-# computed in a single ``vmap`` call from the stacked state.
-direction = torch.linspace(-2, 2, 50, device=device).unsqueeze(1) * torch.ones(
-    1, 8, device=device
-)
-with torch.no_grad():
-    curves = vmap(run_member, in_dims=(0, 0, None))(
-        stacked_params, stacked_buffers, direction
-    )[..., 0]
+# How fast is it?
+# ---------------
+# One vmapped call replaces a Python loop over the members of the ensemble. Whether it is
+# faster depends on the hardware and the size of the members; for members this small, the
+# per-call overhead of the loop probably decides. Both are timed with
+# :class:`torch.utils.benchmark.Timer` (median and interquartile range).
+ensemble_calls = {
+    "loop": lambda: [member(inputs) for member in members],
+    "vmap": lambda: vmap(run_member, in_dims=(0, 0, None))(
+        stacked_params, stacked_buffers, inputs
+    ),
+}
+timings, threads = {}, torch.get_num_threads()
+for method, call in ensemble_calls.items():
+    ensemble_timer = benchmark.Timer(
+        "ensemble_call()", globals={"ensemble_call": call}, num_threads=threads
+    )
+    timings[method] = ensemble_timer.blocked_autorange(min_run_time=0.2)
+    print(f"{method}: {timings[method].median * 1e3:.3f} ms "
+          f"(IQR {timings[method].iqr * 1e3:.3f} ms)")  # fmt: skip
+print(f"the loop over {len(members)} models takes "
+      f"{timings['loop'].median / timings['vmap'].median:.2f}x the time of vmap")  # fmt: skip
+
+# %%
+# The figure: the ensemble's eight members along one input direction, each a curve, from one
+# ``vmap`` call on the stacked state; and the two times.
+METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73"}
+along = torch.linspace(-2, 2, 50, device=device)
+curves = vmap(run_member, in_dims=(0, 0, None))(
+    stacked_params, stacked_buffers, along[:, None].expand(50, 8)
+)[..., 0].detach()
 fig, (ax, ax_time) = plt.subplots(
     1, 2, figsize=(8, 3), layout="constrained", width_ratios=[2, 1]
 )
 for curve in curves.cpu():
-    ax.plot(direction[:, 0].cpu(), curve, color=METHOD_COLORS["vmap"], alpha=0.6)
+    ax.plot(along.cpu(), curve, color=METHOD_COLORS["vmap"], alpha=0.6)
 ax.set_xlabel("input along (1, …, 1)")
 ax.set_ylabel("first output")
 ax.set_title("8 ensemble members, one vmap call")
 ax_time.bar(
-    ["loop", "vmap"],
-    [ensemble_ms["loop"], ensemble_ms["vmap"]],
-    color=[METHOD_COLORS["loop"], METHOD_COLORS["vmap"]],
+    list(timings),
+    [t.median * 1e3 for t in timings.values()],
+    color=[METHOD_COLORS[method] for method in timings],
 )
 ax_time.set_ylabel("median time (ms)")
 plt.show()
+
+# %%
+# What to remember
+# ----------------
+# - ``make_functional(_with_buffers)`` → ``functional_call(module, (params, buffers), args)``.
+# - ``combine_state_for_ensemble`` → ``stack_module_state``, with a ``"meta"`` template.
+# - Match gradients by name, never by position: ``grad`` returns a dictionary.
+# - The transforms, ``rearrange`` and ``functionalize`` keep their names under ``torch.func``;
+#   ``functorch.compile`` becomes ``torch.compile``.

@@ -1,0 +1,349 @@
+"""
+Bounding the memory of Jacobians: ``chunk_size`` and ``linearize``
+==================================================================
+
+``jacrev`` and ``vmap`` run everything they map at the same time, so the memory of a Jacobian
+grows with the number of rows or samples mapped. This page sets ``chunk_size`` on ``jacrev``
+and ``vmap``, checks the results, measures peak memory and time against the chunk size, picks
+a chunk size from a memory budget by a fitted rule and measures it; then compares
+:func:`~torch.func.linearize` with calling ``jvp`` each time and with ``vmap(jvp)``, and finds
+when it pays. The kernel such Jacobians feed is on
+:ref:`sphx_glr_auto_examples_models_as_functions_plot_neural_tangent_kernel.py`.
+"""
+
+# %%
+# A token-wise MLP and its Jacobian
+# ---------------------------------
+# ``jacrev(f)(x)`` maps one ``vjp`` over all unit vectors of the output with ``vmap``: all rows'
+# backward passes run at once. ``jacrev(f, chunk_size=c)`` maps ``c`` rows at a time;
+# ``vmap(f, chunk_size=c)(x)`` equals concatenating ``vmap(f)`` over ``x.split(c)``. The model:
+# an MLP on each of 32 tokens (16 → 512 → 512 → 4, ``tanh``), then a linear layer that mixes
+# the tokens (no attention). Its input Jacobian is (4, 32) by (32, 16), small, but each of its
+# 128 backward passes carries (32, 512) activations.
+import copy
+import gc
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, jvp, linearize, vmap
+from torch.profiler import ProfilerActivity, profile
+from torch.utils import benchmark
+from torch.utils.flop_counter import FlopCounterMode
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+
+
+class TokenwiseMLPThenMix(nn.Module):
+    def __init__(self, tokens=32, features=16, hidden=512, outputs=4):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(features, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, outputs))  # fmt: skip
+        self.mix = nn.Linear(tokens, tokens)
+
+    def forward(self, sequence):  # (..., tokens, features) -> (..., outputs, tokens)
+        return self.mix(self.mlp(sequence).transpose(-1, -2))
+
+
+net = TokenwiseMLPThenMix().to(device).requires_grad_(False)
+sequences = torch.randn(4, 32, 16, device=device)
+
+# %%
+# The recipe, checked against a float64 loop
+# -------------------------------------------
+# The reference differentiates a float64 copy with ordinary autograd, one backward pass per
+# output entry. Every entry of ``jacrev(..., chunk_size=16)`` on one sequence must match it.
+# ``vmap(jacrev(...), chunk_size=2)`` over all 4 sequences must match, entry by entry, a
+# Python loop of unchunked ``jacrev`` over the sequences (the first also against the reference).
+jacobian = jacrev(net, chunk_size=16)(sequences[0])  # (4, 32, 32, 16)
+batch_jacobians = vmap(jacrev(net), chunk_size=2)(sequences)  # (4, 4, 32, 32, 16)
+
+
+def loop_jacobian(sequence):
+    net64, inputs = copy.deepcopy(net).double(), sequence.double().requires_grad_()
+    outputs = net64(inputs)
+    rows = [
+        torch.autograd.grad(out, inputs, retain_graph=True)[0]
+        for out in outputs.flatten()
+    ]
+    return torch.stack(rows).view(*outputs.shape, *inputs.shape)
+
+
+def check_entries(name, result, expected):
+    scale = expected.abs().max().item()
+    error = (result.double() - expected).abs().max().item() / scale
+    print(f"{name:34s} largest entry error / largest entry: {error:.1e}")
+    torch.testing.assert_close(result.double(), expected, rtol=0, atol=1e-5 * scale)
+
+
+reference = loop_jacobian(sequences[0])
+check_entries("jacrev, chunk_size=16", jacobian, reference)
+references = torch.stack([jacrev(net)(sequence) for sequence in sequences]).double()
+check_entries("loop of jacrev, sequence 0", references[0], reference)
+check_entries("vmap(jacrev), chunk_size=2", batch_jacobians, references)
+
+
+# %%
+# How much memory, and how long?
+# ------------------------------
+# A call's peak memory is measured above what was live before it: on a GPU from the CUDA
+# allocator's counters; on a CPU from :class:`torch.profiler.profile`, which records every
+# allocation (scratch memory inside an operation included) with the total allocated after
+# it (counted from the recording's first allocation). The last total is what the call leaves
+# allocated, its result included. Times come from
+# :class:`torch.utils.benchmark.Timer`, with their spread. Every chunk size's result is checked
+# against the reference again.
+def memory_mib(fn):
+    """(peak, left allocated at the end) of fn(), in MiB above what was live before."""
+    gc.collect()
+    if device.type != "cpu":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated()
+        kept = fn()  # noqa: F841 (what fn returns counts as left allocated)
+        after = torch.cuda.memory_allocated()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20, (
+            after - before
+        ) / 2**20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        kept = fn()  # noqa: F841
+    with tempfile.TemporaryDirectory() as scratch:
+        recorded.export_chrome_trace(str(Path(scratch, "trace.json")))
+        trace = json.loads(Path(scratch, "trace.json").read_text())["traceEvents"]
+    allocations = [event["args"] for event in trace if event.get("name") == "[memory]"]
+    # The running total also counts what earlier recordings saw allocated and never freed
+    # while recording: the start is the first total less the first allocation's own bytes.
+    start = allocations[0]["Total Allocated"] - allocations[0]["Bytes"]
+    totals = [args["Total Allocated"] - start for args in allocations]
+    return max(totals) / 2**20, totals[-1] / 2**20
+
+
+def time_and_peak(call):
+    timer = benchmark.Timer(stmt="call()", globals={"call": call},
+                            num_threads=torch.get_num_threads())  # fmt: skip
+    return timer.blocked_autorange(min_run_time=0.2), memory_mib(call)[0]
+
+
+jacrev_curve, vmap_curve = {}, {}
+for chunk_size in [4, 16, 64, 128]:  # 128 rows: the last is no chunking at all
+
+    def call(chunk_size=chunk_size):
+        return jacrev(net, chunk_size=chunk_size)(sequences[0])
+
+    check_entries(f"jacrev, chunk_size={chunk_size}", call(), reference)
+    jacrev_curve[chunk_size] = time_and_peak(call)
+for chunk_size in [1, 2, 4]:  # 4 sequences: the last is no chunking at all
+
+    def call(chunk_size=chunk_size):
+        return vmap(jacrev(net), chunk_size=chunk_size)(sequences)
+
+    check_entries(f"vmap(jacrev), chunk_size={chunk_size}", call(), references)
+    vmap_curve[chunk_size] = time_and_peak(call)
+print(f"one Jacobian: {jacobian.numel() * jacobian.element_size() / 2**10:.0f} KiB")
+for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
+    for chunk_size, (time, peak) in curve.items():
+        print(f"{name} chunk_size={chunk_size:3d}: {time.median * 1e3:7.1f} ms "
+              f"(IQR {time.iqr * 1e3:.1f} ms), peak {peak:6.2f} MiB")  # fmt: skip
+    (first_time, _), (last_time, _) = curve[min(curve)], curve[max(curve)]
+    print(f"{name}: chunk_size={min(curve)} takes {first_time.median / last_time.median:.2f}x "
+          f"the time of no chunking")  # fmt: skip
+    peaks = [peak for _, peak in curve.values()]
+    assert peaks == sorted(peaks), f"{name}: the peak does not grow with chunk_size"
+
+# %%
+# Choosing a chunk size from the memory you have
+# ----------------------------------------------
+# If the peak is a fixed part (inputs, result, forward pass) plus a part per row in flight,
+# ``peak(c) = base + c · per_row``, two measurements give both numbers, and the largest chunk
+# that fits a budget ``M`` is ``c = ⌊(M − base) / per_row⌋``. The per-row part is measured,
+# not derived: it depends on what the backward pass keeps. We fit the rule on ``jacrev``'s
+# smallest and largest chunk sizes, ask it for the chunk that fits a third of the unchunked
+# peak, then measure that chunk size: it must fit the budget, and match the prediction.
+small, large = min(jacrev_curve), max(jacrev_curve)
+per_row = (jacrev_curve[large][1] - jacrev_curve[small][1]) / (large - small)
+base = jacrev_curve[small][1] - per_row * small
+budget = jacrev_curve[large][1] / 3
+chosen = int((budget - base) // per_row)
+predicted = base + per_row * chosen
+# A chunk size's first call sets things up once; it is not measured.
+jacrev(net, chunk_size=chosen)(sequences[0])
+measured_peak = memory_mib(lambda: jacrev(net, chunk_size=chosen)(sequences[0]))[0]
+print(f"rule: {base:.2f} MiB + {per_row:.4f} MiB per row; budget {budget:.2f} MiB "
+      f"-> chunk_size={chosen}")  # fmt: skip
+print(f"chunk_size={chosen}: predicted {predicted:.2f} MiB, measured {measured_peak:.2f} MiB "
+      f"({measured_peak / budget:.2f} of the budget)")  # fmt: skip
+assert measured_peak <= budget, "the chosen chunk size does not fit its budget"
+assert abs(measured_peak - predicted) < 0.1 * predicted, "the linear rule is off"
+
+# %%
+# ``linearize``: one preparation, many Jacobian-vector products
+# -------------------------------------------------------------
+# Now the Jacobian is with respect to the parameters, over all 4 sequences, applied to one
+# tangent at a time, as an iterative solver does. ``jvp`` runs the forward pass with the
+# tangent every time. :func:`~torch.func.linearize` evaluates the function twice (its
+# documentation says so: once for the output, once while tracing the Jacobian-vector product
+# into a graph), and returns a function that computes the parts of that graph that do not
+# depend on the tangent once, on its first call (torch's FX constant folding), and keeps
+# them. When all tangents are known at once, ``vmap(jvp)`` is the third way. Each is checked
+# against a float64 central finite difference. (torch's FX warns harmlessly while it prepares
+# the folding; we silence that.)
+params = {name: p.detach() for name, p in net.named_parameters()}
+params64 = {name: p.double() for name, p in params.items()}
+tangents = [
+    {name: torch.randn_like(p) for name, p in params.items()} for _ in range(16)
+]
+
+
+def outputs_at(p):
+    return functional_call(net, p, (sequences,))
+
+
+def prepare():
+    """linearize, and the first product, which computes the folded constants."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+        jvp_fn = linearize(outputs_at, params)[1]
+    jvp_fn(tangents[0])
+    return jvp_fn
+
+
+def finite_difference(tangent, step=1e-6):
+    def at(sign):
+        shifted = {
+            n: p + sign * step * tangent[n].double() for n, p in params64.items()
+        }
+        return functional_call(net, shifted, (sequences.double(),))
+
+    return (at(1) - at(-1)) / (2 * step)
+
+
+linearized = prepare()
+stacked = {name: torch.stack([t[name] for t in tangents]) for name in params}
+vmapped = vmap(lambda t: jvp(outputs_at, (params,), (t,))[1])(stacked)
+for k, tangent in enumerate(tangents[:3]):
+    expected = finite_difference(tangent)
+    check_entries(f"linearize, tangent {k}", linearized(tangent), expected)
+    check_entries(
+        f"jvp, tangent {k}", jvp(outputs_at, (params,), (tangent,))[1], expected
+    )
+    check_entries(f"vmap(jvp), tangent {k}", vmapped[k], expected)
+
+# %%
+# What each costs, counted and timed
+# ----------------------------------
+# ``FlopCounterMode`` counts the floating-point operations of each call, as multiples of one
+# forward pass; the timer gives the time. The preparation is ``linearize`` plus the first
+# product; the break-even number of products ``K`` is where it plus ``K − 1`` more products
+# costs as much as ``K`` calls of ``jvp``. ``vmap(jvp)`` is timed over all 16 tangents at once;
+# its count shows the primal forward pass done once for all of them, not 16 times.
+CALLS = {
+    "forward": lambda: outputs_at(params),
+    "linearize, preparation": prepare,
+    "linearize, one product": lambda: linearized(tangents[0]),
+    "loop, one jvp": lambda: jvp(outputs_at, (params,), (tangents[0],)),
+    "vmap, 16 jvps": lambda: vmap(lambda t: jvp(outputs_at, (params,), (t,))[1])(
+        stacked
+    ),
+}
+costs = {}
+for name, call in CALLS.items():
+    with FlopCounterMode(display=False) as flops:
+        call()
+    timer = benchmark.Timer(stmt="call()", globals={"call": call},
+                            num_threads=torch.get_num_threads())  # fmt: skip
+    costs[name] = (flops.get_total_flops(), timer.blocked_autorange(min_run_time=0.2))
+forward_flops = costs["forward"][0]
+for name, (flop_count, time) in costs.items():
+    print(f"{name:23s} {flop_count / forward_flops:5.2f} forwards of FLOPs, "
+          f"{time.median * 1e3:7.2f} ms (IQR {time.iqr * 1e3:.2f} ms)")  # fmt: skip
+prepare_ms, linearized_ms, jvp_ms, vmap16_ms = (  # the four calls after "forward"
+    costs[name][1].median * 1e3 for name in list(CALLS)[1:]
+)
+assert costs["linearize, one product"][0] < costs["loop, one jvp"][0], "no FLOPs saved"
+assert costs["vmap, 16 jvps"][0] < 16 * costs["loop, one jvp"][0] - 10 * forward_flops
+print(f"one linearised product takes {linearized_ms / jvp_ms:.2f}x the time of one jvp; "
+      f"vmap(jvp) takes {vmap16_ms / 16 / jvp_ms:.2f}x per tangent")  # fmt: skip
+saving_ms = jvp_ms - linearized_ms
+break_even = (prepare_ms - linearized_ms) / saving_ms if saving_ms > 0 else None
+if break_even:
+    print(f"linearize pays after about {break_even:.0f} products")
+else:
+    print("a linearised product is no faster than jvp here: linearize does not pay")
+
+# %%
+# What the linearised function keeps, and what ``vmap(jvp)`` holds
+# ----------------------------------------------------------------
+# The folded constants stay allocated for as long as the linearised function lives: we
+# measure what the preparation leaves allocated, and the peaks of one ``jvp`` and of
+# ``vmap(jvp)`` over 16 tangents, which carries 16 tangents' activations at once.
+prepare_peak, prepare_kept = memory_mib(prepare)
+output_mib = outputs_at(params).numel() * 4 / 2**20
+print(f"linearize and a first product: peak {prepare_peak:.2f} MiB, keeps "
+      f"{prepare_kept:.2f} MiB (one output is {output_mib:.3f} MiB)")  # fmt: skip
+jvp_peak = memory_mib(CALLS["loop, one jvp"])[0]
+vmap_peak = memory_mib(CALLS["vmap, 16 jvps"])[0]
+print(
+    f"peak of one jvp {jvp_peak:.2f} MiB; of vmap(jvp) over 16 tangents {vmap_peak:.2f} MiB"
+)
+assert prepare_kept > 2 * output_mib, (
+    "the linearised function keeps little beyond its output"
+)
+assert vmap_peak > 4 * jvp_peak, (
+    "vmap(jvp) over 16 tangents should hold far more than one jvp"
+)
+
+# %%
+# Two figures in one: on the left, each ``chunk_size`` curve as time against peak memory,
+# labelled by chunk size, with the rule's budget; on the right, the total time of ``K``
+# Jacobian-vector products each way, whose lines cross at the break-even point.
+METHOD_COLORS = {"jacrev": "#0072B2", "vmap chunked": "#44AA99", "loop": "#D55E00",
+                 "vmap": "#009E73", "linearize": "#CC3311"}  # fmt: skip
+fig, (ax_chunk, ax_products) = plt.subplots(
+    1, 2, figsize=(10, 3.8), layout="constrained"
+)
+for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
+    peaks, times = (
+        [p for _, p in curve.values()],
+        [t.median * 1e3 for t, _ in curve.values()],
+    )
+    ax_chunk.plot(peaks, times, marker="o", color=METHOD_COLORS[name], label=name)
+    for chunk_size, peak, milliseconds in zip(curve, peaks, times):
+        ax_chunk.annotate(str(chunk_size), (peak, milliseconds), xytext=(3, 3),
+                          textcoords="offset points", fontsize=8)  # fmt: skip
+ax_chunk.axvline(
+    budget, color="black", linestyle=":", label=f"budget: chunk_size={chosen}"
+)
+ax_chunk.set(xscale="log", yscale="log", xlabel="peak memory (MiB)", ylabel="time (ms)",
+             title="chunk_size: memory against time")  # fmt: skip
+ax_chunk.legend(fontsize=8)
+counts = torch.arange(1, int(3 * (break_even or 20)) + 2)
+ax_products.plot(counts, counts * jvp_ms, color=METHOD_COLORS["loop"], label="loop")
+ax_products.plot(counts, prepare_ms + (counts - 1) * linearized_ms,
+                 color=METHOD_COLORS["linearize"], label="linearize")  # fmt: skip
+ax_products.plot(
+    counts, counts * vmap16_ms / 16, color=METHOD_COLORS["vmap"], label="vmap"
+)
+if break_even:
+    ax_products.axvline(break_even, color="black", linestyle=":", label="break-even")
+ax_products.set(xlabel="number of Jacobian-vector products K", ylabel="total time (ms)",
+                title="jvp each time, linearize, or vmap(jvp)")  # fmt: skip
+ax_products.legend(fontsize=8)
+plt.show()
+
+# %%
+# What to remember
+# ----------------
+# * ``jacrev(f, chunk_size=c)`` and ``vmap(f, chunk_size=c)`` give the same result (checked entry
+#   by entry) with a peak that grows with ``c``: smaller chunks trade time for memory.
+# * Pick ``c`` from two measured peaks: ``peak(c) = base + c · per_row``, then
+#   ``c = ⌊(M − base) / per_row⌋``; measure the chosen chunk once to confirm it fits.
+# * ``linearize`` evaluates the function twice and keeps folded constants; each product then
+#   skips the primal part of a ``jvp`` (fewer FLOPs, counted). It pays only past the break-even.
+# * With all tangents known, ``vmap(jvp)`` runs the primal forward once for all of them (counted)
+#   and holds all their tangent activations at once (measured).

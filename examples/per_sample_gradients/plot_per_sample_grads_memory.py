@@ -1,0 +1,427 @@
+"""
+Per-sample gradients: memory, kept buffers and where each method stops fitting
+==============================================================================
+
+Per-sample gradients are B copies of every parameter, so memory, more than arithmetic,
+decides the largest batch you can run. This page measures the peak memory of one call (every
+allocation, scratch memory inside operations included) for each per-sample-gradient method on
+a wide MLP: a Python loop, ``vmap(grad(...))`` plain and chunked, PyTorch's expanded weights,
+Opacus' ``GradSampleModule`` and hand-written per-layer formulas. It shows which methods write
+into buffers they keep (and that the next call then overwrites your result), the batch at
+which each method stops fitting in 16 or 24 GiB, and what ``vmap``'s ``chunk_size`` trades:
+time against memory. You would want it to size a batch for the memory you have. The same
+methods are checked and timed on the sibling page,
+:ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads_at_the_limit.py`.
+"""
+
+# %%
+# Setup
+# -----
+import copy
+import ctypes
+import gc
+import json
+import os
+import platform
+import tempfile
+import warnings
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+from torch.profiler import ProfilerActivity, profile
+from torch.utils import benchmark
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+
+# %%
+# A transform whose memory is hidden: per-sample gradient norms
+# -------------------------------------------------------------
+# Differentially private training needs each sample's gradient *norm*. ``vmap`` of a function
+# that takes one sample's gradient and returns its norm returns only B numbers, but it
+# computes all B gradients at once on the way: ``vmap(f)(x)`` equals stacking ``f(x_i)`` over
+# ``x.unbind(0)``, done for the whole batch in each operation. The norms are checked against a
+# float64 loop, one backward pass per sample, each norm on its own.
+
+
+class WideMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.fc2 = nn.Linear(256, 256)
+        self.fc3 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(start_dim=1))))))
+
+
+mlp = WideMLP().to(device)
+params = {name: p.detach() for name, p in mlp.named_parameters()}
+num_params = sum(t.numel() for t in params.values())
+batch = 256
+images = torch.randn(batch, 1, 28, 28, device=device)
+targets = torch.randint(0, 10, (batch,), device=device)
+
+
+def one_sample_loss(params, image, target):
+    return F.cross_entropy(functional_call(mlp, params, (image[None],)), target[None])
+
+
+def one_sample_grad_norm(params, image, target):
+    grads = grad(one_sample_loss)(params, image, target)
+    return torch.stack([g.norm() for g in grads.values()]).norm()
+
+
+mlp64 = copy.deepcopy(mlp).double()
+reference_norms = torch.stack([
+    torch.cat([
+        g.flatten()
+        for g in torch.autograd.grad(
+            F.cross_entropy(mlp64(x[None].double()), t[None]), list(mlp64.parameters())
+        )
+    ]).norm()
+    for x, t in zip(images, targets)
+])  # fmt: skip
+
+
+def norm_error(norms):
+    return ((norms.double() - reference_norms).abs() / reference_norms).max().item()
+
+
+norms = vmap(one_sample_grad_norm, in_dims=(None, 0, 0))(params, images, targets)
+print(f"worst relative error of a norm: {norm_error(norms):.1e}")
+assert norm_error(norms) < 1e-5
+
+# %%
+# The recipe: measure one call's peak memory
+# ------------------------------------------
+# On a GPU, PyTorch's caching allocator records its own peak: reset it, call, and subtract
+# what was allocated before. On a CPU, torch's profiler with ``profile_memory=True`` logs every
+# allocation and free, scratch memory inside an operation and allocations by compiled code
+# included. Each ``[memory]`` event of its trace carries ``Total Allocated``, a running count
+# of live bytes, and ``Bytes``, that event's allocation (or, negative, its free). The count is
+# kept across profiles, and a tensor allocated under one profile and freed after it stays in
+# it; so the peak is taken above the count just before the call's first allocation.
+
+
+def peak_mib(fn, *args):
+    gc.collect()  # garbage from earlier cells, freed during the call, would hide its peak
+    if device.type != "cpu":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats(device)
+        fn(*args)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as memory_prof:
+        fn(*args)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        path = os.path.join(trace_dir, "trace.json")
+        memory_prof.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    memory = [e["args"] for e in events if e["name"] == "[memory]"]
+    if not memory:
+        return 0.0
+    before = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    return (max(m["Total Allocated"] for m in memory) - before) / 2**20
+
+
+# A check with a closed form: x + 1 holds two tensors of 2**20 floats (4 MiB each) at once.
+# Before it, a tensor allocated under a profile outlives it, as a per-sample result kept
+# between calls would.
+kept_past_profile = []
+peak_mib(lambda: kept_past_profile.append(torch.ones(2**18, device=device)))
+kept_past_profile.clear()
+two_tensors = peak_mib(lambda: torch.ones(2**20, device=device) + 1)
+print(f"peak of torch.ones(2**20) + 1: {two_tensors:.4f} MiB")
+assert 8 <= two_tensors < 8.01
+
+# %%
+# Bound the peak with ``chunk_size``
+# ----------------------------------
+# ``chunk_size=c`` runs ``c`` samples at a time, so only ``c`` gradients are alive at once.
+# The chunked norms are checked against the same float64 loop.
+grad_norms = {
+    chunk: vmap(one_sample_grad_norm, in_dims=(None, 0, 0), chunk_size=chunk)
+    for chunk in [None, 32]
+}
+norm_peak = {c: peak_mib(fn, params, images, targets) for c, fn in grad_norms.items()}
+all_grads_mib = batch * num_params * 4 / 2**20
+print(f"all {batch} per-sample gradients: {all_grads_mib:.0f} MiB")
+for chunk, peak in norm_peak.items():
+    print(f"peak of vmap over the norms with chunk_size={chunk}: {peak:.1f} MiB")
+assert norm_peak[None] > all_grads_mib  # every gradient is alive at once
+assert norm_peak[32] < norm_peak[None] / 4  # at most 32 of them, and their scratch
+assert norm_error(grad_norms[32](params, images, targets)) < 1e-5
+
+# %%
+# Per-sample gradients themselves: the result is the memory
+# ---------------------------------------------------------
+# When the B·P floats *are* the result, no chunking can go below them. The methods, each
+# returning ``{parameter name: (B, *shape)}`` (the sibling page explains each one). The
+# hand-written method keeps its output buffers from call to call. Expanded weights lives in the
+# private module ``torch.nn.utils._per_sample_grad`` and may change without notice.
+# ``torch.compile`` is left out to keep this page short (the sibling page times its compile).
+warnings.filterwarnings("ignore", message="Full backward hook is firing")  # from Opacus
+
+
+def method_fns(net):
+    names, leaves = zip(*net.named_parameters())
+    name_of = {p: name for name, p in net.named_parameters()}
+    own = {name: p.detach() for name, p in net.named_parameters()}
+    ew_net = copy.deepcopy(net)
+    opacus_net = GradSampleModule(copy.deepcopy(net), loss_reduction="sum")
+    kept = {}
+
+    def loop(x, y):
+        rows = [
+            torch.autograd.grad(F.cross_entropy(net(xi[None]), yi[None]), leaves)
+            for xi, yi in zip(x, y)
+        ]
+        return {name: torch.stack(col) for name, col in zip(names, zip(*rows))}
+
+    def sample_loss(own, xi, yi):
+        return F.cross_entropy(functional_call(net, own, (xi[None],)), yi[None])
+
+    def expanded_weights(x, y):
+        logits = call_for_per_sample_grads(
+            ew_net, batch_size=len(x), loss_reduction="sum"
+        )(x)
+        F.cross_entropy(logits, y, reduction="sum").backward()
+        grads = {n: p.grad_sample for n, p in ew_net.named_parameters()}
+        for p in ew_net.parameters():
+            p.grad_sample = None
+        return grads
+
+    def opacus(x, y):
+        opacus_net.zero_grad(set_to_none=True)
+        F.cross_entropy(opacus_net(x), y, reduction="sum").backward()
+        return {
+            n.removeprefix("_module."): p.grad_sample
+            for n, p in opacus_net.named_parameters()
+        }
+
+    def hand_written(
+        x, y
+    ):  # Linear layers only: g_i a_iᵀ per sample, into kept buffers
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, i[0], o)))
+                 for m in net.modules() if isinstance(m, nn.Linear)]  # fmt: skip
+        loss = F.cross_entropy(net(x), y, reduction="sum")
+        for hook in hooks:
+            hook.remove()
+        for (layer, a, _), g in zip(
+            seen, torch.autograd.grad(loss, [o for *_, o in seen])
+        ):
+            w, b = name_of[layer.weight], name_of[layer.bias]
+            if w not in kept or len(kept[w]) != len(x):
+                kept[w], kept[b] = (
+                    g.new_empty(len(x), *layer.weight.shape),
+                    g.new_empty(g.shape),
+                )
+            torch.bmm(g[:, :, None], a.detach()[:, None], out=kept[w])
+            kept[b].copy_(g)
+        return dict(kept)
+
+    chunked = vmap(grad(sample_loss), in_dims=(None, 0, 0), chunk_size=32)
+    mapped = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+    return {
+        "loop": loop,
+        "vmap": lambda x, y: mapped(own, x, y),
+        "vmap chunked": lambda x, y: chunked(own, x, y),
+        "expanded weights": expanded_weights,
+        "opacus": opacus,
+        "hand-written": hand_written,
+    }
+
+
+# %%
+# Each method is checked on 8 samples against the float64 loop, parameter by parameter. The
+# loss is a sum here, so each sample's gradient is its own loss's gradient.
+x8, y8 = images[:8], targets[:8]
+reference = method_fns(mlp64)["loop"](x8.double(), y8)
+for method, fn in method_fns(mlp).items():
+    grads = fn(x8, y8)
+    assert grads.keys() == reference.keys(), method
+    worst = 0.0
+    for name, ref64 in reference.items():
+        error = ((grads[name].double() - ref64).norm() / ref64.norm()).item()
+        assert error < 1e-5, f"{method} {name}: relative error {error:.1e}"
+        worst = max(worst, error)
+    print(f"{method:17s} worst parameter's relative error {worst:.1e}")
+
+# %%
+# Which methods keep their buffers, and what that costs you
+# ---------------------------------------------------------
+# A method that writes into buffers it keeps allocates nothing for its result after the first
+# call at a batch size. We call each method twice, keep both results, and ask whether they
+# share memory.
+fns = method_fns(mlp)
+keeps = {}
+for method, fn in fns.items():
+    first, second = fn(images, targets), fn(images, targets)
+    keeps[method] = all(first[n].data_ptr() == second[n].data_ptr() for n in first)
+    print(f"{method:17s} {'reuses its buffers' if keeps[method] else 'fresh result'}")
+assert [m for m, kept in keeps.items() if kept] == ["hand-written"]
+
+# %%
+# The catch: the tensors returned are the buffers. A second call on other data overwrites the
+# first result in place. Keep a result past the next call with ``.clone()`` (which costs the
+# B·P floats again), or consume it (clip, sum) before calling again.
+hand_written = fns["hand-written"]
+first = hand_written(images[:64], targets[:64])
+first_saved = {name: g.clone() for name, g in first.items()}
+second = hand_written(images[64:128], targets[64:128])
+assert torch.equal(first["fc1.weight"], second["fc1.weight"])  # the same memory
+assert not torch.allclose(first["fc1.weight"], first_saved["fc1.weight"])  # overwritten
+print(
+    "the first result now holds the second call's gradients; the clone kept the first"
+)
+
+# %%
+# Peak memory, and where each method stops fitting
+# ------------------------------------------------
+# Each method's peak is measured at two batch sizes, with new buffers each time, so that the
+# hand-written method's buffers count. The difference divided by the difference in batch size
+# is the memory per extra sample; each method stores B·P floats, so it must be at least one
+# sample's gradients, and the assert checks it. With the intercept, it says where a method runs
+# out of 16 or 24 GiB. That extrapolation leaves out the process's own memory (libraries,
+# weights, data), and on a GPU the CUDA context, which is measured and subtracted there.
+memory_batches = [64, 256]
+peaks = {}
+for size in memory_batches:
+    for method, fn in method_fns(mlp).items():
+        peaks[method, size] = peak_mib(fn, images[:size], targets[:size])
+per_sample_mib = num_params * 4 / 2**20
+outside_mib = 0.0
+if device.type != "cpu":
+    free, total = torch.cuda.mem_get_info()
+    outside_mib = (total - free - torch.cuda.memory_reserved()) / 2**20
+    print(
+        f"memory outside PyTorch's allocator (CUDA context and more): {outside_mib:.0f} MiB"
+    )
+limits, ratio = {}, {}
+small, large = memory_batches
+fc1_share = mlp.fc1.weight.numel() / num_params
+print(
+    f"one sample's gradients: {per_sample_mib:.2f} MiB, {fc1_share:.2f} of it fc1.weight"
+)
+for method in fns:
+    slope = (peaks[method, large] - peaks[method, small]) / (large - small)
+    intercept = peaks[method, small] - slope * small
+    ratio[method] = slope / per_sample_mib
+    limits[method] = {
+        gib: int((gib * 1024 - outside_mib - intercept) / slope) for gib in (16, 24)
+    }
+    print(
+        f"{method:17s} peak {peaks[method, large]:6.0f} MiB at batch {large}, "
+        f"{slope:.2f} MiB per sample ({ratio[method]:.2f}x the result); "
+        f"out of memory above batch {limits[method][16]:,} (16 GiB), "
+        f"{limits[method][24]:,} (24 GiB)"
+    )
+    assert slope > 0.99 * per_sample_mib, method  # it holds every sample's gradients
+
+# %%
+# Reading the ratios: the loop keeps each sample's gradients in a list and then stacks them,
+# so it holds the result twice. Chunked vmap and Opacus hold one extra copy of ``fc1.weight``'s
+# per-sample gradients (its share is printed above), probably while they concatenate or stack
+# that parameter's pieces. Plain vmap, expanded weights and the hand-written method hold little
+# beyond the result.
+assert abs(ratio["loop"] - 2) < 0.05
+assert abs(ratio["vmap chunked"] - 1 - fc1_share) < 0.05
+assert abs(ratio["vmap"] - 1) < 0.05
+
+# %%
+# Keeping freed memory for the timings
+# ------------------------------------
+# The calls timed next allocate hundreds of MiB. glibc would return such blocks to the kernel
+# and fault in fresh pages on the next call, so that a call's time would depend on what ran
+# before it; this cell asks glibc to keep freed memory (why: :doc:`/reading-timings`).
+if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
+    assert libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1)
+
+# %%
+# ``chunk_size``: time against memory
+# -----------------------------------
+# The norms and the full per-sample gradients, at batch 256, for several chunk sizes: each
+# point is one call's peak and its median time (IQR beside it). ``None`` (the default) maps the
+# whole batch at once.
+chunk_sizes = [32, 128, None]
+curves = {}
+for label, fn in {
+    "norms": one_sample_grad_norm,
+    "gradients": grad(one_sample_loss),
+}.items():
+    for chunk in chunk_sizes:
+        mapped = vmap(fn, in_dims=(None, 0, 0), chunk_size=chunk)
+        timing = benchmark.Timer(
+            stmt="mapped(*args)",
+            globals={"mapped": mapped, "args": (params, images, targets)},
+            num_threads=torch.get_num_threads(),
+        ).blocked_autorange(min_run_time=0.2)
+        peak = peak_mib(mapped, params, images, targets)
+        curves[label, chunk] = peak, timing.median * 1e3
+        print(
+            f"{label:9s} chunk_size={chunk!s:4s} peak {peak:6.1f} MiB, "
+            f"{timing.median * 1e3:7.1f} ms (IQR {timing.iqr * 1e3:.1f} ms)"
+        )
+slowdown = curves["norms", 32][1] / curves["norms", None][1]
+print(f"norms: chunk_size=32 takes {slowdown:.2f}x the time of chunk_size=None")
+assert curves["norms", 32][0] < curves["norms", None][0] / 4
+assert curves["gradients", 32][0] > all_grads_mib  # chunking cannot go below the result
+
+# %%
+# The figure: on the left, the largest batch that fits, from the measured memory per sample;
+# on the right, what ``chunk_size`` buys for the norms and for the full gradients.
+METHOD_COLORS = {
+    "loop": "#D55E00",
+    "vmap": "#009E73",
+    "vmap chunked": "#44AA99",
+    "expanded weights": "#332288",
+    "opacus": "#AA4499",
+    "hand-written": "#999933",
+}
+fig, (ax_fit, ax_chunk) = plt.subplots(1, 2, figsize=(9, 3.6), layout="constrained")
+rows = range(len(fns))
+colors = [METHOD_COLORS[m] for m in fns]
+ax_fit.barh(
+    rows, [limits[m][24] for m in fns], color=colors, alpha=0.45, label="24 GiB"
+)
+ax_fit.barh(rows, [limits[m][16] for m in fns], color=colors, label="16 GiB")
+ax_fit.set_yticks(rows, list(fns))
+ax_fit.invert_yaxis()
+ax_fit.set_xlabel("largest MLP batch that fits")
+ax_fit.legend(fontsize=8, loc="lower right")
+for label, marker in [("norms", "o"), ("gradients", "s")]:
+    points = [curves[label, c] for c in chunk_sizes]
+    ax_chunk.plot(
+        *zip(*points), marker=marker, color=METHOD_COLORS["vmap chunked"], label=label
+    )
+    for chunk, point in zip(chunk_sizes, points):
+        ax_chunk.annotate(f"{chunk}", point, textcoords="offset points", xytext=(4, 4))
+ax_chunk.axvline(all_grads_mib, color="black", linestyle="--", linewidth=1)
+ax_chunk.set(xlabel="peak memory (MiB); dashed: all 256 gradients", ylabel="time (ms)")
+ax_chunk.set_title("vmap over 256 samples, labelled by chunk_size")
+ax_chunk.legend(fontsize=8)
+plt.show()
+
+# %%
+# What to remember
+# ----------------
+# - Measure one call's peak with the profiler's ``[memory]`` events on a CPU, or the CUDA
+#   allocator's peak on a GPU; both see scratch memory inside operations.
+# - ``chunk_size`` bounds what a transform holds per chunk: it shrinks the memory of per-sample
+#   norms, not of per-sample gradients, whose result is the memory.
+# - Buffers a method keeps are returned as its result: the next call overwrites them, so
+#   ``.clone()`` what you keep.
+# - Size a batch from the peak per sample measured at two batch sizes, plus what the
+#   measurement leaves out (the process, the CUDA context).
