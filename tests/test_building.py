@@ -35,7 +35,7 @@ def test_example_page_shows_its_run(site, example):
     assert outputs, f"{example}: no printed output on the page"
     first_output = outputs[0].get_text()
     assert re.search(
-        r"(CPU|GPU): .+ \| torch \d+\.\d+\.\d+.* \| \d+ threads", first_output
+        r"torch \d+\.\d+\.\d+\S* on (cpu|cuda\S*), \d+ threads", first_output
     ), f"{example}: the first output does not say where it ran:\n{first_output}"
     figures = [
         img
@@ -308,14 +308,28 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
     assert re.search(r"\(steal\) during each run: \d+\.\d%\n", result.stdout)
 
 
-def test_the_timings_page_shows_a_report_of_reproduce(site):
-    report = (REPO / "docs" / "measured" / "reproduce-report.txt").read_text()
-    assert re.match(r"make reproduce: \d+ fresh runs of each", report), report[:200]
-    for example in EXAMPLES:
-        assert f"\n{example.stem}: " in report, f"{example} missing from the report"
-    summary = report.strip().splitlines()[-1]
-    page = soup(site.html / "reading-timings.html").get_text()
-    assert summary in page
+def test_the_timings_page_opens_with_the_reports_bottom_line_and_links_them(site):
+    """The counts on the page are the reports' own, and each report is one click away."""
+    page = soup(site.html / "reading-timings.html")
+    text = " ".join(page.get_text().split())
+    cpu = (REPO / "docs" / "measured" / "reproduce-report.txt").read_text()
+    assert re.match(
+        r"make reproduce: \d+ fresh runs of each .*, \d{4}-\d\d-\d\d\n", cpu
+    )
+    total, within = re.search(r"\n(\d+) ratios, (\d+) within ±25%", cpu).groups()
+    first_section = page.select("article section section")[0]
+    assert first_section.find("h2").get_text().startswith("How far to trust a ratio")
+    assert f"({within} of {total})" in " ".join(first_section.get_text().split())
+    gpu = (REPO / "docs" / "measured" / "gpu-h100-report.txt").read_text()
+    assert "NVIDIA H100" in gpu.splitlines()[0] and "torch 2.11.0" in gpu[:300]
+    ratio_rows = re.findall(r"^ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +\d+% .*$", gpu, re.M)
+    steady = [row for row in ratio_rows if "<--" not in row]
+    assert f"{len(steady)} of {len(ratio_rows)} ratios" in text
+    links = {a["href"].rsplit("/", 1)[-1] for a in page.select("a.download")}
+    assert {"reproduce-report.txt", "gpu-h100-report.txt"} <= links
+    for name in links & {"reproduce-report.txt", "gpu-h100-report.txt"}:
+        assert list((site.html / "_downloads").rglob(name)), name
+    assert "rule" not in text and "development machine" not in text
 
 
 # The front door: bad input fails at once, with one line saying what to do.
@@ -547,3 +561,38 @@ def test_torch_index_reaches_pip_only_when_asked(tmp_path):
         line for line in default.splitlines() if "-r requirements.txt" in line
     ]
     assert "--extra-index-url" not in install and "--index-url" not in install
+
+
+# The gallery's sections, in reading order: the folders of examples/ and their READMEs' titles.
+SECTIONS = {
+    "start_here": "Start here",
+    "per_sample_gradients": "Per-sample gradients and privacy",
+    "jacobians_and_curvature": "Jacobians, Hessians and curvature",
+    "models_as_functions": "Models as functions: ensembles and the NTK",
+    "guides": "Guides",
+}
+
+
+def in_reading_order(titles, texts):
+    positions = [texts.index(title) for title in titles if title in texts]
+    return len(positions) == len(titles) and positions == sorted(positions)
+
+
+def test_gallery_sidebar_and_index_show_the_sections_in_reading_order(site):
+    titles = list(SECTIONS.values())
+    gallery = soup(site.html / "auto_examples" / "index.html")
+    sections = gallery.select("article section section")
+    headings = [s.find("h2").get_text().strip("¶ ") for s in sections]
+    assert headings == titles
+    for folder, section in zip(SECTIONS, sections):
+        shown = {
+            Path(a["href"]).stem
+            for a in section.select("div.sphx-glr-thumbcontainer a")
+        }
+        assert shown == {e.stem for e in EXAMPLES if e.parent.name == folder}, folder
+    sidebar = [a.get_text(" ", strip=True) for a in gallery.select(".sidebar-tree a")]
+    assert in_reading_order(titles, sidebar), sidebar
+    landing = soup(site.html / "index.html")
+    landing_headings = [h.get_text().strip("¶ ") for h in landing.select("h3")]
+    assert in_reading_order(titles, landing_headings), landing_headings
+    assert sorted(SECTIONS) == sorted({e.parent.name for e in EXAMPLES})

@@ -213,7 +213,7 @@ def test_buttons_under_the_title_run_in_colab_and_download(site, example):
 
 
 def test_without_a_repository_the_colab_button_is_left_out_quietly(tmp_path):
-    shown = ["plot_batch_jacobians_hessians.py", "plot_dp_sgd_ghost_norms.py"]
+    shown = ["plot_batch_jacobians_hessians.py", "plot_extending_torch_func.py"]
     tree = small_site(tmp_path, examples=shown)
     result = make(tree, "html-noplot", repository="")
     assert result.returncode == 0, (result.stdout + result.stderr)[
