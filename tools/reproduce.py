@@ -15,6 +15,7 @@ built site, a script that fails).
 """
 
 import argparse
+import datetime
 import os
 import platform
 import re
@@ -30,7 +31,9 @@ from bs4 import BeautifulSoup
 REPO = Path(__file__).resolve().parent.parent
 RATIO = re.compile(r"(\d+(?:\.\d+)?) ?x\b")
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-TOLERANCE = 0.25  # the site's stability rule: each ratio within ±25% over fresh runs
+TOLERANCE = (
+    0.25  # a ratio is flagged when a fresh run or the page is this far from the median
+)
 
 
 def fail(message):
@@ -252,7 +255,7 @@ def main():
 
     lines = [
         f"make reproduce: {args.runs} fresh runs of each downloaded example script, "
-        f"compared with the built pages",
+        f"compared with the built pages, {datetime.date.today().isoformat()}",
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"CUDA available: {torch.cuda.is_available()}",
         "spread: largest distance of a run from the runs' median; run: which run that was; "
@@ -268,8 +271,8 @@ def main():
         "host's memory is shared with other machines)",
         "the machine's own ratio: 100 small additions (per-call overhead) against one 512×512 "
         "matrix product (arithmetic), on all threads; a page that compares a Python loop with "
-        "a batched call compares these two kinds of work, so where this ratio's spread is "
-        "over ±25%, the machine itself moved more than the rule allows",
+        "a batched call compares these two kinds of work, so where this ratio moves by over "
+        "±25%, such a page's ratios can be expected to move about as much",
         "steal: on a virtual machine, the share of CPU time during the run that the host gave "
         "to others (Linux's /proc/stat)",
     ]
