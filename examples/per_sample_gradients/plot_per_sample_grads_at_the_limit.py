@@ -354,34 +354,25 @@ for model_name, net in {"CNN": cnn, "MLP": mlp}.items():
         }
         del held, context
 
+
 # %%
-# The table gives each method's time as a multiple of the floor. The last lines are printed
-# in a fixed form, so that they can be read mechanically.
-
-
-def floor_ms(times):
-    return max(times["batched"].median, times["write"].median) * 1e3
-
-
-def floor_iqr_ms(times):
-    """The spread of whichever part sets the floor."""
-    return max(times["batched"], times["write"], key=lambda t: t.median).iqr * 1e3
+# Each method's time as a multiple of the floor, which takes the spread of the part that sets it.
+def floor_of(times):
+    return max(times["batched"], times["write"], key=lambda t: t.median)
 
 
 def over_floor(times, method):
-    return times[method].median * 1e3 / floor_ms(times)
+    return times[method].median / floor_of(times).median
 
 
 for (model_name, batch_size), times in results.items():
-    print(
-        f"{model_name} B={batch_size}: the floor is {floor_ms(times):.2f} ms "
-        f"(IQR {floor_iqr_ms(times):.2f} ms)"
-    )
+    floor = floor_of(times)
+    print(f"{model_name} B={batch_size}: the floor is {floor.median * 1e3:.2f} ms "
+          f"(IQR {floor.iqr * 1e3:.2f} ms)")  # fmt: skip
     for name, t in times.items():
         ms, iqr = t.median * 1e3, t.iqr * 1e3
-        print(
-            f"    {name:17s} {ms:8.2f} ms (IQR {iqr:.2f} ms) {over_floor(times, name):6.2f}x"
-        )
+        print(f"    {name:17s} {ms:8.2f} ms (IQR {iqr:.2f} ms) "
+              f"{over_floor(times, name):6.2f}x")  # fmt: skip
 for batch_size in batch_sizes["MLP"]:
     times = results["MLP", batch_size]
     best = min((m for m in METHODS if m in times), key=lambda m: times[m].median)
