@@ -424,8 +424,8 @@ plt.show()
 #
 # - **The loop** does the batched step's FLOPs (counted above) but dispatches every
 #   operation once per sample, many times the batched step's count. Its
-#   distance from the floor is probably that fixed cost per operation; on a GPU, where each
-#   operation is also a kernel launch, PyTorch's tutorial reports vmap up to 25x faster.
+#   distance from the floor is probably that fixed cost per operation, which on a GPU also
+#   includes a kernel launch; run this page there to see how much that moves the ratios.
 # - **vmap(grad)** and **Opacus** do the batched step's FLOPs; expanded weights' count is
 #   lower, probably because FlopCounterMode does not see the products inside its backward.
 #   Where these methods are slower than the floor, the likely cause is extra passes over the
