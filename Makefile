@@ -1,5 +1,8 @@
 # torch.func by example: the front door. `make help` lists the targets.
 
+# Recipes run in bash with pipefail: a build piped into its log still fails when the build does.
+SHELL   := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -14,6 +17,12 @@ TORCH_INDEX ?=
 BUILD   := _build
 # Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
 EXAMPLE ?=
+# Build one shard of the gallery: make html SHARD=2/3 runs only the examples of shard 2 of 3,
+# balanced by the recorded run times (docs/measured/example-times.txt); `make shards` shows them.
+SHARD   ?=
+SHARDS  ?= 3
+# make merge FROM=folder: one folder per shard, each a copy of a shard's docs/auto_examples.
+FROM    ?=
 # Every example, by name: the gallery's sections are the folders of examples/.
 EXAMPLES := $(sort $(basename $(notdir $(wildcard examples/*/plot_*.py))))
 SPHINXOPTS ?=
@@ -34,14 +43,19 @@ CHROMIUM ?= chromium
 # successfully are still skipped by their MD5).
 SPHINXBUILD = $(PY) -m sphinx -b html -E -W --keep-going -c . $(SPHINXOPTS) docs $(BUILD)/html
 FAILED  = { echo "error: the site did not build; see the messages above" >&2; exit 1; }
+# Everything Sphinx prints also goes to $(BUILD)/sphinx.log, which the tests of a built site read.
+LOG     = $(SPHINXBUILD) 2>&1 | tee $(BUILD)/sphinx.log
+OPEN    = open $(CURDIR)/$(BUILD)/html/index.html
 
 .DEFAULT_GOAL := help
-.PHONY: help venv usable-venv known-example html html-noplot test lint reproduce inventory serve clean
+.PHONY: help venv usable-venv known-example html html-noplot merge shards record-times test \
+	test-shard test-merged browser lint reproduce inventory serve clean
 
 help:  ## List the targets
 	@echo "torch.func by example. Targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14 | sed 's/^/  make /'
 	@echo "Variables: EXAMPLE=plot_name (one example, for html and reproduce), RUNS=5 (reproduce),"
+	@echo "           SHARD=i/N (html: one shard of N), SHARDS=3 (shards, test-merged), FROM=folder (merge),"
 	@echo "           PYTHON=python3.11 (to create .venv), CHROMIUM=/path/to/chrome (tests),"
 	@echo "           TORCH_INDEX=https://download.pytorch.org/whl/cpu (.venv with torch's CPU build)"
 
@@ -64,18 +78,41 @@ known-example:
 	@if [ -n "$(EXAMPLE)" ] && [ -z "$(filter $(basename $(EXAMPLE)),$(EXAMPLES))" ]; then \
 	  echo "error: no example called '$(EXAMPLE)'. The examples are: $(EXAMPLES)" >&2; exit 1; fi
 
-html: known-example $(NEEDS)  ## Build the site, running the examples, into _build/html
-	GALLERY_EXAMPLE="$(basename $(EXAMPLE))" $(SPHINXBUILD) || $(FAILED)
-	@echo "Built the site: open $(CURDIR)/$(BUILD)/html/index.html"
+html: known-example $(NEEDS)  ## Build the site, running the examples (SHARD=i/N: one shard's), into _build/html
+	@mkdir -p $(BUILD)
+	GALLERY_EXAMPLE="$(basename $(EXAMPLE))" GALLERY_SHARD="$(SHARD)" $(LOG) || $(FAILED)
+	@echo "Built the site: $(OPEN)" | tee -a $(BUILD)/sphinx.log
 
 html-noplot: $(NEEDS)  ## Build the site without running the examples
 	$(SPHINXBUILD) -D plot_gallery=0 || $(FAILED)
-	@echo "Built the site (examples not run): open $(CURDIR)/$(BUILD)/html/index.html"
+	@echo "Built the site (examples not run): $(OPEN)"
 
-test: $(NEEDS)  ## Run the test suite (it builds its own copy of the site)
+merge: $(NEEDS)  ## Build the site from shards' outputs (FROM=folder), running no example
+	@[ -n "$(FROM)" ] || { echo "error: say where the shards' outputs are: make merge FROM=folder, one folder per shard, each a copy of a shard's docs/auto_examples" >&2; exit 1; }
+	$(PY) tools/merge_shards.py "$(FROM)"
+	@mkdir -p $(BUILD)
+	GALLERY_MERGE=1 $(LOG) || $(FAILED)
+	@echo "Built the site from the shards, running no example: $(OPEN)" | tee -a $(BUILD)/sphinx.log
+
+shards: $(NEEDS)  ## Show how SHARDS=3 shards split the examples by their recorded times
+	$(PY) docs/sphinxext/gallery_shards.py $(SHARDS)
+
+record-times: $(NEEDS)  ## After a full make html: record each example's run time for the shards
+	$(PY) tools/record_times.py
+
+browser:
 	@command -v "$(CHROMIUM)" >/dev/null || \
 	  { echo "error: no browser '$(CHROMIUM)' for the browser tests: apt-get install chromium, or set CHROMIUM=/path/to/chrome" >&2; exit 1; }
+
+test: browser $(NEEDS)  ## Run the test suite (it builds its own copy of the site)
 	CHROMIUM="$$(command -v "$(CHROMIUM)")" $(PY) -m pytest tests
+
+test-shard: $(NEEDS)  ## After make html SHARD=i/N: run that shard's notebooks in a kernel
+	SITE_TREE=$(CURDIR) GALLERY_SHARD="$(SHARD)" $(PY) -m pytest tests/test_downloading.py -k test_notebook_runs
+
+test-merged: browser $(NEEDS)  ## After make merge: every test but the notebooks (test-shard runs them), on this site
+	SITE_TREE=$(CURDIR) NOTEBOOK_SHARDS=$(SHARDS) CHROMIUM="$$(command -v "$(CHROMIUM)")" \
+	  $(PY) -m pytest tests -k "not test_notebook_runs"
 
 lint: $(NEEDS)  ## Code style (ruff), spelling (codespell) and reST markup (sphinx-lint)
 	$(PY) -m ruff check $(LINTED)

@@ -5,13 +5,13 @@ module; its README lists them.
 """
 
 import os
-import re
 import sys
 from pathlib import Path
 
 # The site's extensions, one job per module.
 sys.path.insert(0, str(Path(__file__).parent / "docs" / "sphinxext"))
 from cuda_peak_memory import memory_reporter  # noqa: E402
+from gallery_shards import filename_pattern  # noqa: E402
 from notebook_install_cell import install_cell  # noqa: E402
 
 project = "torch.func by example"
@@ -67,17 +67,15 @@ pygments_dark_style = "a11y-dark"
 # Copy buttons on code cells only, never on printed output.
 copybutton_selector = "div.highlight-Python pre"
 
-# Build one example while writing it: make html EXAMPLE=plot_per_sample_grads
-_only_example = os.environ.get("GALLERY_EXAMPLE", "").removesuffix(".py")
-
 sphinx_gallery_conf = {
     # Relative to docs/, the source folder; the gallery is generated and git-ignored.
     "examples_dirs": "../examples",
     "gallery_dirs": "auto_examples",
-    # Run every example, or exactly the one named by EXAMPLE.
-    "filename_pattern": re.escape(f"{os.sep}{_only_example}.py") + "$"
-    if _only_example
-    else re.escape(os.sep) + "plot_",
+    # Run every example; or one (make html EXAMPLE=plot_name); or one shard of N, balanced by
+    # the recorded run times (make html SHARD=i/N).
+    "filename_pattern": filename_pattern(
+        os.environ.get("GALLERY_EXAMPLE", ""), os.environ.get("GALLERY_SHARD", "")
+    ),
     # Sections in reading order, and in each section the order of the index page.
     "subsection_order": [
         "../examples/start_here",
@@ -90,7 +88,9 @@ sphinx_gallery_conf = {
     # Notebooks open with a cell that installs what their example imports, where missing.
     "first_notebook_cell": install_cell(),
     # Before every example: reset seeds, torch's settings and matplotlib; pick its install cell.
+    # A merge (make merge) stops at the first example it would execute, naming it.
     "reset_modules": (
+        "gallery_shards.refuse_to_execute",
         "matplotlib",
         "reset_between_examples.reset_state",
         "notebook_install_cell.first_cell_for_example",

@@ -6,12 +6,12 @@ pages in a real browser), test_workflows.py (the CI that builds and publishes th
 test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 """
 
-import re
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLES, copy_sources, make
+from helpers import EXAMPLES, copy_sources, make, times_from_execution_page
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Site:
     tree: Path  # the copy of the sources that was built
     html: Path  # the built site
     log: str  # everything `make html` printed
+    merged: bool = False  # built by `make merge` from shards: it executed no example
 
     def page(self, example: Path) -> Path:
         return self.html / "auto_examples" / example.with_suffix(".html")
@@ -26,6 +27,10 @@ class Site:
 
 @pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Site:
+    """The site the tests read: built here from a clean copy, or, with SITE_TREE=path, the one
+    that `make html` or `make merge` built in that tree (CI tests the merge of its shards)."""
+    if os.environ.get("SITE_TREE"):
+        return built_site(Path(os.environ["SITE_TREE"]).resolve())
     tree = copy_sources(tmp_path_factory.mktemp("site"))
     result = make(tree, "html")
     log = result.stdout + result.stderr
@@ -40,16 +45,16 @@ def site(tmp_path_factory) -> Site:
 BUILT_TREES = []  # the site fixture's build, for the time report at the end
 
 
-def example_times(execution_times_rst):
-    """(seconds, example) for each example on sphinx-gallery's execution-times page."""
-    rows = re.findall(
-        r"\(``\.\./examples/(?:\w+/)*(plot_\w+\.py)``\)\s*\n\s*- (\d+):(\d+\.\d+)",
-        execution_times_rst,
-    )
-    return sorted(
-        ((int(minutes) * 60 + float(seconds), name) for name, minutes, seconds in rows),
-        reverse=True,
-    )
+def built_site(tree):
+    log_path = tree / "_build" / "sphinx.log"
+    log = log_path.read_text(encoding="utf-8") if log_path.is_file() else ""
+    if "Built the site" not in log:
+        pytest.fail(
+            f"SITE_TREE={tree} holds no finished build ({log_path}): run `make html` or "
+            "`make merge FROM=...` there first"
+        )
+    merged = "Built the site from the shards" in log
+    return Site(tree=tree, html=tree / "_build" / "html", log=log, merged=merged)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -57,7 +62,15 @@ def pytest_terminal_summary(terminalreporter):
     if not BUILT_TREES:
         return
     times_page = BUILT_TREES[0] / "docs" / "sg_execution_times.rst"
-    times = example_times(times_page.read_text(encoding="utf-8"))
+    times = sorted(
+        (
+            (seconds, name)
+            for name, seconds in times_from_execution_page(
+                times_page.read_text(encoding="utf-8")
+            ).items()
+        ),
+        reverse=True,
+    )
     terminalreporter.section(
         "five slowest examples (from sphinx-gallery's execution times)"
     )

@@ -19,6 +19,28 @@ EXAMPLES = sorted(
 )
 
 
+sys.path.insert(0, str(REPO / "docs" / "sphinxext"))
+from gallery_shards import (  # noqa: E402
+    parse_shard,
+    plan,
+    read_times,
+    times_from_execution_page,  # noqa: E402, F401 (for conftest)
+)
+
+
+def shard_of(examples, shard):
+    """The examples that `make html SHARD=i/N` executes; all of them when shard is empty."""
+    if not shard:
+        return list(examples)
+    index, count = parse_shard(shard)
+    shards, _ = plan([e.name for e in examples], read_times(), count)
+    return [e for e in examples if e.name in shards[index - 1]]
+
+
+# The notebooks this run executes: all, or one shard's (`make test-shard SHARD=i/N` on CI).
+NOTEBOOK_EXAMPLES = shard_of(EXAMPLES, os.environ.get("GALLERY_SHARD", ""))
+
+
 def example_path(name: str) -> Path:
     """An example's path relative to examples/, from its file name."""
     (path,) = [example for example in EXAMPLES if example.name == name]

@@ -10,7 +10,15 @@ import zipfile
 import nbformat
 import pytest
 from bs4 import BeautifulSoup
-from helpers import EXAMPLES, REPO, TEST_REPOSITORY, example_path, make, small_site
+from helpers import (
+    EXAMPLES,
+    NOTEBOOK_EXAMPLES,
+    REPO,
+    TEST_REPOSITORY,
+    example_path,
+    make,
+    small_site,
+)
 from nbclient import NotebookClient
 
 CELL_TIMEOUT_S = 300
@@ -23,7 +31,7 @@ def downloaded(site, name):
     return matches[0]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+@pytest.mark.parametrize("example", NOTEBOOK_EXAMPLES, ids=str)
 def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(site, example, tmp_path):
     notebook = nbformat.read(downloaded(site, f"{example.stem}.ipynb"), as_version=4)
     client = NotebookClient(

@@ -1,5 +1,6 @@
 """The site's Sphinx extensions (docs/sphinxext) and tools, on small inputs: seconds, no build."""
 
+import re
 import sys
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ sys.path[:0] = [str(REPO / "docs" / "sphinxext"), str(REPO / "tools")]
 import api_reference  # noqa: E402
 import cuda_peak_memory  # noqa: E402
 import example_buttons  # noqa: E402
+import gallery_shards  # noqa: E402
 import not_found_links  # noqa: E402
 import notebook_install_cell  # noqa: E402
 import offline_assets  # noqa: E402
@@ -273,3 +275,87 @@ def test_the_install_cell_follows_an_example_into_its_section_folder(
     assert '"opacus": "opacus==' in conf["first_notebook_cell"]
     notebook_install_cell.first_cell_for_example(conf, "plot_y.py")
     assert "opacus" not in conf["first_notebook_cell"]
+
+
+# Shards: which examples `make html SHARD=i/N` executes.
+
+TIMES = {"plot_a.py": 60.0, "plot_b.py": 30.0, "plot_c.py": 25.0, "plot_d.py": 20.0}
+
+
+def test_shards_balance_the_recorded_times_not_the_counts():
+    shards, load = gallery_shards.plan(sorted(TIMES), TIMES, 2)
+    # By count, two and two (90 s against 45 s); by time, the long one alone.
+    assert shards == [["plot_a.py"], ["plot_b.py", "plot_c.py", "plot_d.py"]]
+    assert load == [60.0, 75.0]
+
+
+def test_every_example_is_in_exactly_one_shard_whatever_the_count():
+    names = sorted(TIMES) + ["plot_new.py"]  # no recorded time: counts as the median
+    for count in range(1, len(names) + 1):
+        shards, _ = gallery_shards.plan(names, TIMES, count)
+        assert len(shards) == count and all(shards)
+        assert sorted(name for shard in shards for name in shard) == names
+
+
+def test_a_shard_executes_exactly_its_examples(tmp_path):
+    for section, name in [
+        ("one", "plot_a.py"),
+        ("one", "plot_ab.py"),
+        ("two", "plot_b.py"),
+    ]:
+        (tmp_path / "examples" / section).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "examples" / section / name).touch()
+    times = tmp_path / "times.txt"
+    times.write_text("# a note\n 50.0 plot_a.py\n 30.0 plot_ab.py\n 25.0 plot_b.py\n")
+    first = gallery_shards.filename_pattern("", "1/2", tmp_path, times)
+    second = gallery_shards.filename_pattern("", "2/2", tmp_path, times)
+    paths = [
+        f"/x/examples/{s}/{n}"
+        for s, n in [("one", "plot_a.py"), ("one", "plot_ab.py"), ("two", "plot_b.py")]
+    ]
+    assert [bool(re.search(first, p)) for p in paths] == [True, False, False]
+    assert [bool(re.search(second, p)) for p in paths] == [False, True, True]
+    only = gallery_shards.filename_pattern("plot_a", "", tmp_path, times)
+    assert [bool(re.search(only, p)) for p in paths] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("example", "shard", "message"),
+    [
+        ("", "3/2", "SHARD='3/2' is not a shard: write SHARD=i/N with 1 <= i <= N"),
+        ("", "two", "SHARD='two' is not a shard"),
+        ("", "0/3", "SHARD='0/3' is not a shard"),
+        ("", "1/99", "use at most"),
+        ("plot_a", "1/2", "give EXAMPLE= or SHARD=, not both"),
+    ],
+)
+def test_a_shard_that_cannot_be_built_says_why(example, shard, message):
+    with pytest.raises(gallery_shards.ShardError, match=re.escape(message)):
+        gallery_shards.filename_pattern(example, shard)
+
+
+def test_only_a_merge_refuses_to_execute_an_example(monkeypatch):
+    monkeypatch.delenv("GALLERY_MERGE", raising=False)
+    gallery_shards.refuse_to_execute({}, "plot_a.py")  # an ordinary build runs it
+    monkeypatch.setenv("GALLERY_MERGE", "1")
+    with pytest.raises(gallery_shards.ShardError, match="would execute plot_a.py"):
+        gallery_shards.refuse_to_execute({}, "plot_a.py")
+
+
+def test_the_recorded_times_cover_every_example():
+    recorded = gallery_shards.read_times()
+    assert sorted(recorded) == gallery_shards.examples()
+    assert all(seconds > 0 for seconds in recorded.values())
+
+
+def test_the_times_are_read_from_sphinx_gallerys_execution_times_page():
+    rst = (
+        "   * - :ref:`sphx_glr_auto_examples_one_plot_a.py` (``../examples/one/plot_a.py``)\n"
+        "     - 01:02.500\n"
+        "   * - :ref:`sphx_glr_auto_examples_two_plot_b.py` (``../examples/two/plot_b.py``)\n"
+        "     - 00:00.250\n"
+    )
+    assert gallery_shards.times_from_execution_page(rst) == {
+        "plot_a.py": 62.5,
+        "plot_b.py": 0.25,
+    }
