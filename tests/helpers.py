@@ -47,10 +47,14 @@ def example_path(name: str) -> Path:
     return path
 
 
-# The repository the tests pretend to publish from: it turns on the "Run in Google Colab" button.
-TEST_REPOSITORY = "example-owner/torch-func-by-example"
+# The repository the site is published from: it turns on the "Run in Google Colab" button. On
+# GitHub Actions, the one that runs (a merged site from CI's shards was built with it); else one
+# the tests pretend to publish from.
+TEST_REPOSITORY = (
+    os.environ.get("GITHUB_REPOSITORY") or "example-owner/torch-func-by-example"
+)
 # GitHub Pages serves that repository's site under this path, and so does the test server.
-PAGES_PREFIX = "/torch-func-by-example/"
+PAGES_PREFIX = f"/{TEST_REPOSITORY.partition('/')[2]}/"
 
 
 def copy_sources(destination: Path, examples=None) -> Path:

@@ -252,6 +252,19 @@ def test_a_wrong_gradient_of_one_small_parameter_fails_its_check(tmp_path):
     assert "AssertionError: vmap(grad), float32: conv1.bias" in result.stderr
 
 
+def test_a_recipe_changed_on_the_jax_side_fails_the_comparison(tmp_path):
+    """The JAX classifier without its last bias: the first recipe checked no longer agrees."""
+    result = run_mutated_example(
+        tmp_path,
+        "plot_torch_func_and_jax.py",
+        'return hidden @ p["4.weight"].T + p["4.bias"]',
+        'return hidden @ p["4.weight"].T',
+    )
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "AssertionError: per-sample gradients, " in result.stderr
+    assert "JAX and torch.func differ by" in result.stderr
+
+
 def test_a_typo_does_not_pass_for_an_error_that_vmap_raises(tmp_path):
     result = run_mutated_example(
         tmp_path,
@@ -545,6 +558,11 @@ MACHINE_READ_LINES = {
     "plot_hessian_vector_products.py": (
         r"hvp ([\w() -]+): (\d+\.\d\d) x one gradient",
         4,  # three methods eager, and at least the best one compiled
+    ),
+    "plot_torch_func_and_jax.py": (
+        r"([\w() +-]+): torch eager [\d.]+ ms, torch compiled [\d.]+ ms, JAX [\d.]+ ms, "
+        r"JAX jit ([\d.]+) ms \(IQR [\d., ]+ ms\)",
+        7,  # x + 1, then per-sample gradients, two Jacobians, Hessian, HVP, ensemble
     ),
 }
 

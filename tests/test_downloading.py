@@ -143,7 +143,12 @@ def test_each_notebook_installs_exactly_what_its_example_imports_where_missing(
     site, tmp_path
 ):
     requirements = (REPO / "requirements.txt").read_text(encoding="utf-8")
-    extras = {"opacus": "opacus", "sklearn": "scikit-learn", "numpy": "numpy"}
+    extras = {
+        "opacus": "opacus",
+        "sklearn": "scikit-learn",
+        "numpy": "numpy",
+        "jax": "jax",
+    }
 
     def pin(dist):
         return re.search(rf"^{dist}==\S+", requirements, re.M).group(0)

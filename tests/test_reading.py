@@ -47,6 +47,9 @@ SITE_PALETTE = {
     "GGN": "#EE8866",
     "ntk-vector products": "#5D69B1",
     "linearize": "#CC3311",
+    "torch eager": "#004488",
+    "JAX": "#EE7733",
+    "JAX jit": "#DDAA33",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 

@@ -1,0 +1,450 @@
+"""
+torch.func and JAX, side by side
+================================
+
+``torch.func`` took its transforms from JAX: ``grad``, ``vmap``, ``jacfwd``, ``jacrev``,
+``hessian`` and ``jvp`` compose the same way in both. So what would you gain or lose by staying
+in PyTorch? This page writes five recipes (per-sample gradients, a tall and a wide Jacobian, a
+Hessian, a Hessian-vector product and an ensemble) in both libraries for one small classifier
+with the same weights, checks every entry of both against a float64 reference computed by plain
+autograd, then times each recipe four ways (PyTorch eager, ``torch.compile``, JAX op by op and
+``jax.jit``) and counts what each way runs, to explain the times it prints.
+"""
+
+# %%
+# One model, two libraries
+# ------------------------
+# A JAX function sees only the arrays it is given, so on both sides the classifier is a function
+# of a dictionary of parameters: :func:`~torch.func.functional_call` runs the PyTorch module
+# with one, and the JAX version is three lines of matrix algebra on the same numbers
+# (``nn.Linear`` stores ``W`` as (out, in), hence ``x @ W.T + b``). Both run in float32 on the
+# same kind of device: where PyTorch has a GPU and JAX has none, both run on the CPU.
+import copy
+import cProfile
+import math
+import pstats
+import re
+import textwrap
+import time
+import warnings
+from unittest import mock
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.graph import GraphLowering
+from torch.func import (
+    functional_call,
+    grad,
+    hessian,
+    jacfwd,
+    jacrev,
+    jvp,
+    stack_module_state,
+    vmap,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.benchmark import Timer
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if device.type == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+elif jax.default_backend() == "cpu":
+    print("torch sees a GPU and JAX does not: both run on the CPU")
+    device = torch.device("cpu")
+jax.config.update("jax_default_matmul_precision", "highest")  # torch's: no TF32
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+print(f"jax {jax.__version__} on {jax.devices()[0].platform}, float32")
+
+
+def classifier():
+    hidden = [nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh()]
+    return nn.Sequential(*hidden, nn.Linear(128, 64))
+
+
+model = classifier().to(device)
+params = {n: p.detach() for n, p in model.named_parameters()}
+inputs = torch.randn(64, 16, device=device)
+labels = torch.randint(0, 64, (64,), device=device)
+
+
+def logits(p, x):
+    return functional_call(model, p, (x,))
+
+
+def sample_loss(p, x, y):  # the cross-entropy of one example
+    return F.cross_entropy(logits(p, x[None]), y[None])
+
+
+def to_jax(tensors):  # the same numbers, copied into JAX arrays
+    return {name: jnp.asarray(t.detach().cpu().numpy()) for name, t in tensors.items()}
+
+
+def jax_logits(p, x):
+    hidden = jnp.tanh(x @ p["0.weight"].T + p["0.bias"])
+    hidden = jnp.tanh(hidden @ p["2.weight"].T + p["2.bias"])
+    return hidden @ p["4.weight"].T + p["4.bias"]
+
+
+def jax_sample_loss(p, x, y):
+    return -jax.nn.log_softmax(jax_logits(p, x))[y]
+
+
+jax_params, jax_data = to_jax(params), to_jax({"x": inputs, "y": labels})
+jax_inputs, jax_labels = jax_data["x"], jax_data["y"]
+x0, jax_x0, y0, jax_y0 = inputs[0], jax_inputs[0], labels[0], jax_labels[0]
+
+# %%
+# The reference, and the check
+# ----------------------------
+# The reference uses neither library's recipes: a float64 copy of the module, differentiated by
+# ``torch.autograd.grad`` in plain loops. A float32 result's error is its largest distance from
+# the reference over the reference's largest entry. The libraries are compared entry by entry
+# within ``BOUND``, a small multiple of the largest error printed, and each must lie within
+# ``BOUND`` of float64: a recipe wrong on one side fails the run, not widens the bound.
+BOUND = 2e-6
+model64 = copy.deepcopy(model).double()
+leaves64 = dict(model64.named_parameters())
+
+
+def loop_jacobian(outputs, leaves):
+    """d outputs / d leaves, one float64 backward pass per entry of outputs."""
+    rows = [torch.autograd.grad(o, leaves, retain_graph=True) for o in outputs.ravel()]
+    grads = [torch.stack(row).reshape(*outputs.shape, *x.shape) for row, x in
+             zip(zip(*rows), leaves)]  # fmt: skip
+    return dict(zip(leaves64, grads)) if len(leaves) > 1 else {"input": grads[0]}
+
+
+def check(recipe, torch_result, jax_result, reference):
+    errors = {"torch.func": 0.0, "JAX": 0.0}
+    assert torch_result.keys() == jax_result.keys() == reference.keys(), recipe
+    for name, exact in reference.items():
+        scale = float(exact.abs().max())
+        ours = torch_result[name].detach().cpu().double()
+        theirs = torch.from_numpy(np.array(jax_result[name])).double()
+        for side, result in (("torch.func", ours), ("JAX", theirs)):
+            error = float((result - exact).abs().max()) / scale
+            errors[side] = max(errors[side], error)
+        gap = float((theirs - ours).abs().max()) / scale  # the largest entry's
+        assert gap < BOUND, f"{recipe}, {name}: JAX and torch.func differ by {gap:.1e}"
+    print(f"{recipe}: float32 error against float64, torch.func {errors['torch.func']:.1e},"
+          f" JAX {errors['JAX']:.1e}; bound {BOUND:.0e}, "
+          f"{BOUND / max(errors.values()):.1f} times the larger")  # fmt: skip
+    assert max(errors.values()) < BOUND, (recipe, errors)
+
+
+recipes, references = {}, {}  # name -> (torch fn, its arguments, JAX fn, its arguments)
+
+# %%
+# Per-sample gradients
+# --------------------
+# ``grad`` of one example's loss, mapped over the batch by ``vmap``: parameters shared (``None``),
+# inputs and labels split along their first axis (``0``). The libraries differ by a word,
+# ``in_dims`` against ``in_axes``. The reference loops over the batch, one backward pass each.
+
+
+def per_sample_grads(p, x, y):
+    return vmap(grad(sample_loss), in_dims=(None, 0, 0))(p, x, y)
+
+
+def jax_per_sample_grads(p, x, y):
+    return jax.vmap(jax.grad(jax_sample_loss), in_axes=(None, 0, 0))(p, x, y)
+
+
+loop = [torch.autograd.grad(F.cross_entropy(model64(x[None].double()), y[None]),
+                            list(leaves64.values())) for x, y in zip(inputs, labels)]  # fmt: skip
+references["per-sample gradients"] = dict(zip(leaves64, map(torch.stack, zip(*loop))))
+recipes["per-sample gradients"] = (per_sample_grads, (params, inputs, labels),
+    jax_per_sample_grads, (jax_params, jax_inputs, jax_labels))  # fmt: skip
+
+# %%
+# A tall and a wide Jacobian
+# --------------------------
+# The 64 logits with respect to one input of 16 numbers form a tall Jacobian: ``jacfwd`` builds
+# it from 16 Jacobian-vector products, one per input. With respect to the parameters it is wide:
+# ``jacrev`` builds it from 64 vector-Jacobian products, one per logit, and both libraries
+# return a dictionary shaped like the parameters, each entry with the 64 rows first.
+
+
+def tall_jacobian(p, x):
+    return {"input": jacfwd(logits, argnums=1)(p, x)}
+
+
+def jax_tall_jacobian(p, x):
+    return {"input": jax.jacfwd(jax_logits, argnums=1)(p, x)}
+
+
+def wide_jacobian(p, x):
+    return jacrev(logits)(p, x)
+
+
+def jax_wide_jacobian(p, x):
+    return jax.jacrev(jax_logits)(p, x)
+
+
+x64 = x0.double().requires_grad_()
+references["tall Jacobian (jacfwd)"] = loop_jacobian(model64(x64), [x64])
+references["wide Jacobian (jacrev)"] = loop_jacobian(model64(x64), [*leaves64.values()])
+recipes["tall Jacobian (jacfwd)"] = (tall_jacobian, (params, x0),
+    jax_tall_jacobian, (jax_params, jax_x0))  # fmt: skip
+recipes["wide Jacobian (jacrev)"] = (wide_jacobian, (params, x0),
+    jax_wide_jacobian, (jax_params, jax_x0))  # fmt: skip
+
+# %%
+# A Hessian, and a Hessian-vector product
+# ---------------------------------------
+# The Hessian of one example's loss with respect to its 16 inputs: ``hessian`` is ``jacfwd``
+# of ``jacrev`` in both libraries. With respect to the parameters, too large to form, we take
+# the Hessian's product with a direction ``v``: ``jvp`` of ``grad``, the gradient's derivative
+# along ``v``, forward over reverse. The reference differentiates the float64 gradient again in
+# reverse mode: row by row for the Hessian, through its dot product with ``v`` for the product.
+
+
+def input_hessian(p, x, y):
+    return {"input": hessian(sample_loss, argnums=1)(p, x, y)}
+
+
+def jax_input_hessian(p, x, y):
+    return {"input": jax.hessian(jax_sample_loss, argnums=1)(p, x, y)}
+
+
+def hvp(p, v, x, y):
+    def gradient(q):
+        return grad(lambda q: F.cross_entropy(logits(q, x), y))(q)
+
+    return jvp(gradient, (p,), (v,))[1]
+
+
+def jax_hvp(p, v, x, y):
+    def loss(q):
+        log_probs = jax.nn.log_softmax(jax_logits(q, x))
+        return -jnp.take_along_axis(log_probs, y[:, None], axis=1).mean()
+
+    return jax.jvp(jax.grad(loss), (p,), (v,))[1]
+
+
+def float64_gradient(loss, wrt):
+    return torch.autograd.grad(loss, wrt, create_graph=True)
+
+
+direction = {name: torch.randn_like(p) for name, p in params.items()}
+(input_gradient,) = float64_gradient(F.cross_entropy(model64(x64[None]), y0[None]), x64)
+references["Hessian"] = loop_jacobian(input_gradient, [x64])
+gradient = float64_gradient(F.cross_entropy(model64(inputs.double()), labels),
+                            [*leaves64.values()])  # fmt: skip
+along = sum((g * direction[name].double()).sum() for name, g in zip(leaves64, gradient))
+hvp64 = torch.autograd.grad(along, [*leaves64.values()])
+references["Hessian-vector product"] = dict(zip(leaves64, hvp64))
+recipes["Hessian"] = (input_hessian, (params, x0, y0),
+    jax_input_hessian, (jax_params, jax_x0, jax_y0))  # fmt: skip
+recipes["Hessian-vector product"] = (hvp, (params, direction, inputs, labels),
+    jax_hvp, (jax_params, to_jax(direction), jax_inputs, jax_labels))  # fmt: skip
+
+# %%
+# An ensemble
+# -----------
+# Eight classifiers, run on one batch in one call: :func:`~torch.func.stack_module_state`
+# stacks each parameter of the eight along a new first axis, and ``vmap`` maps
+# ``functional_call`` over it, with a module on the ``meta`` device for the structure alone. In
+# JAX the stacked dictionary is a pytree like any other. Each member alone, in float64, is the
+# reference.
+members = [classifier().to(device) for _ in range(8)]
+stacked = {name: p.detach() for name, p in stack_module_state(members)[0].items()}
+template = classifier().to("meta")
+
+
+def ensemble(p, x):
+    return {"logits": vmap(functional_call, in_dims=(None, 0, None))(template, p, (x,))}
+
+
+def jax_ensemble(p, x):
+    return {"logits": jax.vmap(jax_logits, in_axes=(0, None))(p, x)}
+
+
+outputs64 = [copy.deepcopy(m).double()(inputs.double()) for m in members]
+references["ensemble of 8"] = {"logits": torch.stack(outputs64).detach()}
+recipes["ensemble of 8"] = (ensemble, (stacked, inputs),
+    jax_ensemble, (to_jax(stacked), jax_inputs))  # fmt: skip
+
+# %%
+# Every recipe, checked
+# ---------------------
+# Both libraries, entry by entry, within ``BOUND`` of float64 and of each other.
+for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
+    check(recipe, torch_fn(*torch_args), jax_fn(*jax_args), references[recipe])
+
+# %%
+# How fast is each?
+# -----------------
+# Four ways to run each recipe: PyTorch eager, :func:`torch.compile` of the same function, JAX
+# op by op (no ``jit``), and ``jax.jit``, to which every array goes as an argument: one captured
+# from the enclosing scope would be a constant of the compiled program, which XLA may fold. The
+# first call of each compiled function compiles it (timed once); its result is checked against
+# the uncompiled one. :class:`torch.utils.benchmark.Timer` times every call, the JAX ones with
+# ``jax.block_until_ready``, as JAX returns before its work is done. The first row, ``x + 1``
+# on one number, is the cost of a call with next to no work in it.
+METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733",
+                 "JAX": "#EE7733", "JAX jit": "#DDAA33"}  # fmt: skip
+LABELS = {**{m: m for m in METHOD_COLORS}, "compiled": "torch compiled"}
+
+
+def add_one(x):  # one operation, in either library
+    return x + 1
+
+
+one = torch.ones(1, device=device)
+timed = {"x + 1": (add_one, (one,), add_one, (to_jax({"x": one})["x"],)), **recipes}
+
+
+def four_calls(torch_fn, torch_args, jax_fn, jax_args):
+    """Compile both sides (timed once), check them, and return the four calls."""
+    compiled, jitted, code = torch.compile(torch_fn), jax.jit(jax_fn), []
+    eager_result, jax_result = torch_fn(*torch_args), jax_fn(*jax_args)
+    started = time.perf_counter()
+    with warnings.catch_warnings(), mock.patch.object(
+            GraphLowering, "save_output_code", code.append):  # fmt: skip
+        warnings.filterwarnings("ignore", message=".*_prims_common.check")
+        compiled_result = compiled(*torch_args)  # the compiler warns about its own code
+    middle = time.perf_counter()
+    jit_result = jax.block_until_ready(jitted(*jax_args))
+    seconds = (middle - started, time.perf_counter() - middle)
+    torch.testing.assert_close(compiled_result, eager_result)
+    torch.testing.assert_close(*jax.tree.map(np.array, (jit_result, jax_result)))
+    calls = {
+        "torch eager": lambda: torch_fn(*torch_args),
+        "compiled": lambda: compiled(*torch_args),
+        "JAX": lambda: jax.block_until_ready(jax_fn(*jax_args)),
+        "JAX jit": lambda: jax.block_until_ready(jitted(*jax_args)),
+    }
+    for call in calls.values():
+        call()  # warm-up: JAX compiles each primitive on its first use
+    return calls, seconds, code
+
+
+def ms(seconds, like):  # three significant digits of `like`
+    return f"{seconds * 1e3:.{max(0, 2 - math.floor(math.log10(like * 1e3)))}f}"
+
+
+runs = {recipe: four_calls(*recipe_args) for recipe, recipe_args in timed.items()}
+timings, threads = {}, torch.get_num_threads()
+for recipe, (calls, _, _) in runs.items():
+    t = timings[recipe] = {}
+    for method, call in calls.items():
+        timer = Timer("call()", globals={"call": call}, num_threads=threads)
+        t[method] = timer.blocked_autorange(min_run_time=0.1)
+    print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {ms(t[m].median, t[m].median)} ms"
+          for m in t) + f" (IQR {', '.join(ms(t[m].iqr, t[m].median) for m in t)} ms)")  # fmt: skip
+for recipe, (_, (torch_s, jax_s), _) in runs.items():
+    print(f"{recipe}: compiling (first call), measured once: torch.compile {torch_s:.2f} s,"
+          f" jax.jit {jax_s:.2f} s")  # fmt: skip
+for recipe, t in timings.items():
+    eager = t["JAX"].median / t["torch eager"].median
+    fused = t["JAX jit"].median / t["compiled"].median
+    print(f"{recipe}: JAX op by op takes {eager:.2f}x the time of torch eager, "
+          f"JAX jit {fused:.2f}x the time of torch compiled")  # fmt: skip
+
+# %%
+# The figure sets the four times of each recipe side by side, on a logarithmic axis.
+fig, ax = plt.subplots(figsize=(10, 4.2), layout="constrained")
+for i, (method, colour) in enumerate(METHOD_COLORS.items()):
+    ax.bar([r + (i - 1.5) * 0.2 for r in range(len(timings))],
+           [t[method].median * 1e3 for t in timings.values()], 0.2, color=colour,
+           edgecolor="black", linewidth=0.5, label=LABELS[method], log=True,
+           hatch="//" if method in ("compiled", "JAX jit") else "")  # fmt: skip
+ax.set_xticks(range(len(timings)), [textwrap.fill(r, 14) for r in timings])
+ax.set_ylabel(f"median time on {device.type.upper()} (ms, log scale)")
+ax.set_title("The same recipes in torch.func and JAX")
+fig.legend(ncols=4, loc="outside lower center")
+plt.show()
+
+# %%
+# Why: count what each one runs
+# -----------------------------
+# These recipes do little arithmetic, so their time probably goes mostly to what surrounds it.
+# Two counts per call. The operations launched: in PyTorch eager, every ATen operation
+# dispatched (a ``TorchDispatchMode`` sees each one, views included); for JAX op by op, the
+# primitives of its program (``jax.make_jaxpr``, inside ``jax.nn``'s small ``jit`` functions
+# too); for ``torch.compile``, the kernel launches in Inductor's code, fused loops and library
+# calls (matrix products); for ``jax.jit``, the instructions at the top level of XLA's
+# optimised program. And the Python function calls one call makes, counted by ``cProfile``.
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def primitives(jaxpr):
+    inner = [list(jax.extend.core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns]
+    return sum(sum(map(primitives, jaxprs)) if jaxprs else 1 for jaxprs in inner)
+
+
+def python_calls(call):
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    return pstats.Stats(profiler).total_calls
+
+
+LAUNCH = re.compile(r"\s+(\w+ = )?(extern_kernels\.|cpp_|triton_|aten\.|torch\.ops\.)")
+NO_WORK = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+for recipe, (torch_fn, torch_args, jax_fn, jax_args) in timed.items():
+    with CountOps() as eager_ops:
+        torch_fn(*torch_args)
+    calls, _, (code,) = runs[recipe]  # one graph: no graph break
+    body = code[code.index("def call(") :].split("\nrunner =")[0]
+    hlo = jax.jit(jax_fn).lower(*jax_args).compile().as_text()
+    entry = hlo.split("\nENTRY")[1].split("\n}")[0].splitlines()[1:]
+    opcodes = [re.search(r"= .*?\b([a-z][\w-]*)\(", line)[1] for line in entry]
+    launched = {
+        "torch eager": eager_ops.count,
+        "compiled": sum(bool(LAUNCH.match(line)) for line in body.splitlines()),
+        "JAX": primitives(jax.make_jaxpr(jax_fn)(*jax_args).jaxpr),
+        "JAX jit": sum(op not in NO_WORK for op in opcodes),
+    }
+    calls = {m: python_calls(call) for m, call in calls.items()}
+    for what, count in (("operations launched", launched), ("Python calls", calls)):
+        named = ", ".join(f"{LABELS[m]} {n}" for m, n in count.items())
+        print(f"{recipe}, {what}: {named}")
+    assert launched["compiled"] <= launched["torch eager"], recipe
+    assert launched["JAX jit"] <= launched["JAX"], recipe
+    assert calls["torch eager"] < calls["JAX"], recipe
+    assert calls["JAX jit"] < calls["compiled"], recipe
+
+# %%
+# Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
+# interpreters written in Python, which every primitive passes through before it runs, so an
+# op-by-op call makes several times the Python calls of PyTorch's (asserted), even where it
+# launches fewer operations; ``torch.func`` batches and differentiates each operation in
+# PyTorch's C++ dispatcher. That is probably most of the first ratio of each recipe.
+# *Compiled against jit*: both compilers fuse the element-wise work into a few loops around the
+# matrix products, as their launch counts show. A ``jax.jit`` call runs from C++ with a
+# handful of Python calls, a compiled torch function through a Python wrapper of many more
+# (asserted), a fixed cost the ``x + 1`` row times. The kernel counts side with the faster
+# compiler in some recipes, not all: the rest is probably the kernels' own speed (generated
+# loops, each side's matrix-product library), not measured here. All of this is paid per call,
+# and arithmetic probably outweighs it on a larger model; compiling is paid once, as printed.
+
+# %%
+# What to remember
+# ----------------
+# - The transforms are spelled alike: ``vmap(grad(f), in_dims=...)`` is
+#   ``jax.vmap(jax.grad(f), in_axes=...)``; ``jacfwd``, ``jacrev``, ``hessian`` and
+#   ``jvp(grad(f), (p,), (v,))`` carry over as they are, and ``stack_module_state`` with ``vmap``
+#   is ``jax.vmap`` over a stacked pytree.
+# - Copy weights with ``jnp.asarray(t.detach().numpy())``; ``nn.Linear`` keeps ``W`` as
+#   (out, in), so JAX computes ``x @ W.T + b``.
+# - Check both libraries against a float64 reference that uses neither, and bound their
+#   difference by a small multiple of the errors measured there.
+# - Eager PyTorch dispatches from C++ where JAX op by op interprets in Python; ``jax.jit`` calls
+#   cost less Python than ``torch.compile`` calls. Count both, and pass ``jax.jit`` every array.
