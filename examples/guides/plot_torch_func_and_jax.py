@@ -2,9 +2,9 @@
 torch.func and JAX, side by side
 ================================
 
-``torch.func`` took its transforms from JAX: ``grad``, ``vmap``, ``jacfwd``, ``jacrev``,
+``torch.func`` modelled its transforms on JAX's: ``grad``, ``vmap``, ``jacfwd``, ``jacrev``,
 ``hessian`` and ``jvp`` compose the same way in both. So what would you gain or lose by staying
-in PyTorch? This page writes five recipes (per-sample gradients, a tall and a wide Jacobian, a
+in PyTorch? This page writes six recipes (per-sample gradients, a tall and a wide Jacobian, a
 Hessian, a Hessian-vector product and an ensemble) in both libraries for one small classifier
 with the same weights, checks every entry of both against a float64 reference computed by plain
 autograd, then times each recipe four ways (PyTorch eager, ``torch.compile``, JAX op by op and
@@ -14,7 +14,7 @@ autograd, then times each recipe four ways (PyTorch eager, ``torch.compile``, JA
 # %%
 # One model, two libraries
 # ------------------------
-# A JAX function sees only the arrays it is given, so on both sides the classifier is a function
+# JAX's transforms act only on a function's arguments, so on both sides the classifier is a function
 # of a dictionary of parameters: :func:`~torch.func.functional_call` runs the PyTorch module
 # with one, and the JAX version is three lines of matrix algebra on the same numbers
 # (``nn.Linear`` stores ``W`` as (out, in), hence ``x @ W.T + b``). Both run in float32 on the
@@ -101,42 +101,21 @@ jax_inputs, jax_labels = jax_data["x"], jax_data["y"]
 x0, jax_x0, y0, jax_y0 = inputs[0], jax_inputs[0], labels[0], jax_labels[0]
 
 # %%
-# The reference, and the check
-# ----------------------------
+# The reference
+# -------------
 # The reference uses neither library's recipes: a float64 copy of the module, differentiated by
-# ``torch.autograd.grad`` in plain loops. A float32 result's error is its largest distance from
-# the reference over the reference's largest entry. The libraries are compared entry by entry
-# within ``BOUND``, a small multiple of the largest error printed, and each must lie within
-# ``BOUND`` of float64: a recipe wrong on one side fails the run, not widens the bound.
-BOUND = 2e-6
+# ``torch.autograd.grad`` in plain loops, one backward pass per entry of the result.
 model64 = copy.deepcopy(model).double()
 leaves64 = dict(model64.named_parameters())
 
 
-def loop_jacobian(outputs, leaves):
-    """d outputs / d leaves, one float64 backward pass per entry of outputs."""
-    rows = [torch.autograd.grad(o, leaves, retain_graph=True) for o in outputs.ravel()]
+def loop_jacobian(outputs, named):
+    """d outputs / d each of `named`, one float64 backward pass per entry of outputs."""
+    wrt = list(named.values())
+    rows = [torch.autograd.grad(o, wrt, retain_graph=True) for o in outputs.ravel()]
     grads = [torch.stack(row).reshape(*outputs.shape, *x.shape) for row, x in
-             zip(zip(*rows), leaves)]  # fmt: skip
-    return dict(zip(leaves64, grads)) if len(leaves) > 1 else {"input": grads[0]}
-
-
-def check(recipe, torch_result, jax_result, reference):
-    errors = {"torch.func": 0.0, "JAX": 0.0}
-    assert torch_result.keys() == jax_result.keys() == reference.keys(), recipe
-    for name, exact in reference.items():
-        scale = float(exact.abs().max())
-        ours = torch_result[name].detach().cpu().double()
-        theirs = torch.from_numpy(np.array(jax_result[name])).double()
-        for side, result in (("torch.func", ours), ("JAX", theirs)):
-            error = float((result - exact).abs().max()) / scale
-            errors[side] = max(errors[side], error)
-        gap = float((theirs - ours).abs().max()) / scale  # the largest entry's
-        assert gap < BOUND, f"{recipe}, {name}: JAX and torch.func differ by {gap:.1e}"
-    print(f"{recipe}: float32 error against float64, torch.func {errors['torch.func']:.1e},"
-          f" JAX {errors['JAX']:.1e}; bound {BOUND:.0e}, "
-          f"{BOUND / max(errors.values()):.1f} times the larger")  # fmt: skip
-    assert max(errors.values()) < BOUND, (recipe, errors)
+             zip(zip(*rows), wrt)]  # fmt: skip
+    return dict(zip(named, grads))
 
 
 recipes, references = {}, {}  # name -> (torch fn, its arguments, JAX fn, its arguments)
@@ -189,8 +168,8 @@ def jax_wide_jacobian(p, x):
 
 
 x64 = x0.double().requires_grad_()
-references["tall Jacobian (jacfwd)"] = loop_jacobian(model64(x64), [x64])
-references["wide Jacobian (jacrev)"] = loop_jacobian(model64(x64), [*leaves64.values()])
+references["tall Jacobian (jacfwd)"] = loop_jacobian(model64(x64), {"input": x64})
+references["wide Jacobian (jacrev)"] = loop_jacobian(model64(x64), leaves64)
 recipes["tall Jacobian (jacfwd)"] = (tall_jacobian, (params, x0),
     jax_tall_jacobian, (jax_params, jax_x0))  # fmt: skip
 recipes["wide Jacobian (jacrev)"] = (wide_jacobian, (params, x0),
@@ -200,8 +179,8 @@ recipes["wide Jacobian (jacrev)"] = (wide_jacobian, (params, x0),
 # A Hessian, and a Hessian-vector product
 # ---------------------------------------
 # The Hessian of one example's loss with respect to its 16 inputs: ``hessian`` is ``jacfwd``
-# of ``jacrev`` in both libraries. With respect to the parameters, too large to form, we take
-# the Hessian's product with a direction ``v``: ``jvp`` of ``grad``, the gradient's derivative
+# of ``jacrev`` in both libraries. With respect to the parameters, too large to form cheaply,
+# we take its product with a direction ``v``: ``jvp`` of ``grad``, the gradient's derivative
 # along ``v``, forward over reverse. The reference differentiates the float64 gradient again in
 # reverse mode: row by row for the Hessian, through its dot product with ``v`` for the product.
 
@@ -215,10 +194,10 @@ def jax_input_hessian(p, x, y):
 
 
 def hvp(p, v, x, y):
-    def gradient(q):
-        return grad(lambda q: F.cross_entropy(logits(q, x), y))(q)
+    def loss(q):
+        return F.cross_entropy(logits(q, x), y)
 
-    return jvp(gradient, (p,), (v,))[1]
+    return jvp(grad(loss), (p,), (v,))[1]
 
 
 def jax_hvp(p, v, x, y):
@@ -229,15 +208,12 @@ def jax_hvp(p, v, x, y):
     return jax.jvp(jax.grad(loss), (p,), (v,))[1]
 
 
-def float64_gradient(loss, wrt):
-    return torch.autograd.grad(loss, wrt, create_graph=True)
-
-
 direction = {name: torch.randn_like(p) for name, p in params.items()}
-(input_gradient,) = float64_gradient(F.cross_entropy(model64(x64[None]), y0[None]), x64)
-references["Hessian"] = loop_jacobian(input_gradient, [x64])
-gradient = float64_gradient(F.cross_entropy(model64(inputs.double()), labels),
-                            [*leaves64.values()])  # fmt: skip
+sample_loss64 = F.cross_entropy(model64(x64[None]), y0[None])
+(input_gradient,) = torch.autograd.grad(sample_loss64, x64, create_graph=True)
+references["Hessian"] = loop_jacobian(input_gradient, {"input": x64})
+batch_loss64 = F.cross_entropy(model64(inputs.double()), labels)
+gradient = torch.autograd.grad(batch_loss64, [*leaves64.values()], create_graph=True)
 along = sum((g * direction[name].double()).sum() for name, g in zip(leaves64, gradient))
 hvp64 = torch.autograd.grad(along, [*leaves64.values()])
 references["Hessian-vector product"] = dict(zip(leaves64, hvp64))
@@ -275,7 +251,30 @@ recipes["ensemble of 8"] = (ensemble, (stacked, inputs),
 # %%
 # Every recipe, checked
 # ---------------------
-# Both libraries, entry by entry, within ``BOUND`` of float64 and of each other.
+# An error is the largest distance from the reference over its largest entry. The libraries
+# must agree entry by entry within ``BOUND``, a small multiple of the largest error printed, and
+# each lie within ``BOUND`` of float64: a recipe wrong on one side fails, not widens the bound.
+BOUND = 2e-6
+
+
+def check(recipe, torch_result, jax_result, reference):
+    errors = {"torch.func": 0.0, "JAX": 0.0}
+    assert torch_result.keys() == jax_result.keys() == reference.keys(), recipe
+    for name, exact in reference.items():
+        scale = float(exact.abs().max())
+        ours = torch_result[name].detach().cpu().double()
+        theirs = torch.from_numpy(np.array(jax_result[name])).double()
+        for side, result in (("torch.func", ours), ("JAX", theirs)):
+            error = float((result - exact).abs().max()) / scale
+            errors[side] = max(errors[side], error)
+        gap = float((theirs - ours).abs().max()) / scale  # the largest entry's
+        assert gap < BOUND, f"{recipe}, {name}: JAX and torch.func differ by {gap:.1e}"
+    print(f"{recipe}: float32 error against float64, torch.func {errors['torch.func']:.1e},"
+          f" JAX {errors['JAX']:.1e}; bound {BOUND:.0e}, "
+          f"{BOUND / max(errors.values()):.1f} times the larger")  # fmt: skip
+    assert max(errors.values()) < BOUND, (recipe, errors)
+
+
 for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
     check(recipe, torch_fn(*torch_args), jax_fn(*jax_args), references[recipe])
 
@@ -283,9 +282,9 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
 # How fast is each?
 # -----------------
 # Four ways to run each recipe: PyTorch eager, :func:`torch.compile` of the same function, JAX
-# op by op (no ``jit``), and ``jax.jit``, to which every array goes as an argument: one captured
-# from the enclosing scope would be a constant of the compiled program, which XLA may fold. The
-# first call of each compiled function compiles it (timed once); its result is checked against
+# op by op (no ``jax.jit`` of ours), and ``jax.jit``, to which every array goes as an argument:
+# one captured from the enclosing scope would be a constant of the program, which XLA may fold. The
+# first call of each compiled function compiles it (timed once); its result is compared with
 # the uncompiled one. :class:`torch.utils.benchmark.Timer` times every call, the JAX ones with
 # ``jax.block_until_ready``, as JAX returns before its work is done. The first row, ``x + 1``
 # on one number, is the cost of a call with next to no work in it.
@@ -341,8 +340,8 @@ for recipe, (calls, _, _) in runs.items():
     print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {ms(t[m].median, t[m].median)} ms"
           for m in t) + f" (IQR {', '.join(ms(t[m].iqr, t[m].median) for m in t)} ms)")  # fmt: skip
 for recipe, (_, (torch_s, jax_s), _) in runs.items():
-    print(f"{recipe}: compiling (first call), measured once: torch.compile {torch_s:.2f} s,"
-          f" jax.jit {jax_s:.2f} s")  # fmt: skip
+    print(f"{recipe}: first call (compiles, or loads a cached compile), measured once: "
+          f"torch.compile {torch_s:.2f} s, jax.jit {jax_s:.2f} s")  # fmt: skip
 for recipe, t in timings.items():
     eager = t["JAX"].median / t["torch eager"].median
     fused = t["JAX jit"].median / t["compiled"].median
@@ -416,24 +415,25 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in timed.items():
     for what, count in (("operations launched", launched), ("Python calls", calls)):
         named = ", ".join(f"{LABELS[m]} {n}" for m, n in count.items())
         print(f"{recipe}, {what}: {named}")
-    assert launched["compiled"] <= launched["torch eager"], recipe
-    assert launched["JAX jit"] <= launched["JAX"], recipe
+    if recipe != "x + 1":  # both compilers fuse: at most half the launches
+        assert 2 * launched["compiled"] <= launched["torch eager"], recipe
+        assert 2 * launched["JAX jit"] <= launched["JAX"], recipe
     assert calls["torch eager"] < calls["JAX"], recipe
     assert calls["JAX jit"] < calls["compiled"], recipe
 
 # %%
 # Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
 # interpreters written in Python, which every primitive passes through before it runs, so an
-# op-by-op call makes several times the Python calls of PyTorch's (asserted), even where it
-# launches fewer operations; ``torch.func`` batches and differentiates each operation in
-# PyTorch's C++ dispatcher. That is probably most of the first ratio of each recipe.
-# *Compiled against jit*: both compilers fuse the element-wise work into a few loops around the
-# matrix products, as their launch counts show. A ``jax.jit`` call runs from C++ with a
-# handful of Python calls, a compiled torch function through a Python wrapper of many more
-# (asserted), a fixed cost the ``x + 1`` row times. The kernel counts side with the faster
-# compiler in some recipes, not all: the rest is probably the kernels' own speed (generated
-# loops, each side's matrix-product library), not measured here. All of this is paid per call,
-# and arithmetic probably outweighs it on a larger model; compiling is paid once, as printed.
+# op-by-op call makes more Python calls than PyTorch's (asserted); ``torch.func`` batches and
+# differentiates each operation in PyTorch's C++ dispatcher. That is probably most of the first
+# ratio of each recipe. *Compiled against jit*: both compilers fuse the element-wise work around
+# the matrix products, launching at most half the operations of the uncompiled call (asserted).
+# A ``jax.jit`` call runs from C++ with a handful of Python calls, a compiled torch function
+# through a Python wrapper of many more (asserted), a fixed cost the ``x + 1`` row times. Where
+# the kernel counts do not side with the faster compiler, the difference is probably the
+# kernels' own speed (generated loops, each side's matrix-product library), not measured here.
+# All of this is paid per call, and arithmetic probably outweighs it on a larger model;
+# compiling is paid once, as printed.
 
 # %%
 # What to remember
@@ -442,7 +442,7 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in timed.items():
 #   ``jax.vmap(jax.grad(f), in_axes=...)``; ``jacfwd``, ``jacrev``, ``hessian`` and
 #   ``jvp(grad(f), (p,), (v,))`` carry over as they are, and ``stack_module_state`` with ``vmap``
 #   is ``jax.vmap`` over a stacked pytree.
-# - Copy weights with ``jnp.asarray(t.detach().numpy())``; ``nn.Linear`` keeps ``W`` as
+# - Copy weights with ``jnp.asarray(t.detach().cpu().numpy())``; ``nn.Linear`` keeps ``W`` as
 #   (out, in), so JAX computes ``x @ W.T + b``.
 # - Check both libraries against a float64 reference that uses neither, and bound their
 #   difference by a small multiple of the errors measured there.
