@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+import yaml
 from helpers import (
     EXAMPLES,
     MINIMAL_INDEX,
@@ -514,10 +515,14 @@ def test_every_example_is_built_and_its_notebook_run_by_the_suite(site, request)
         for item in request.session.items
         if item.originalname == "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
     }
-    if os.environ.get(
-        "NOTEBOOK_SHARDS"
-    ):  # `make test-shard` runs them, one shard a job
+    if os.environ.get("NOTEBOOK_SHARDS"):  # CI's shard jobs ran them (make test-shard)
         count = int(os.environ["NOTEBOOK_SHARDS"])
+        workflow = yaml.safe_load(
+            (REPO / ".github/workflows/pull-request.yml").read_text()
+        )
+        assert workflow["jobs"]["shard"]["strategy"]["matrix"]["shard"] == list(
+            range(1, count + 1)
+        ), f"pull-request.yml does not run the notebooks of {count} shards"
         notebook_runs = {
             example
             for index in range(1, count + 1)

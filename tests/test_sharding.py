@@ -89,7 +89,11 @@ def test_the_merge_executes_nothing_and_keeps_each_shards_output(shards):
 
 
 def test_the_merged_pages_are_those_of_a_one_runner_build(shards, site):
-    """Output blocks, figures, downloads and notebooks, as the whole site's own build has them."""
+    """Output blocks, figures, downloads and notebooks, as the whole site's own build has them.
+
+    In `make test` that is a one-runner build; under `make test-merged` (CI), the merge of CI's
+    own shards, which this then compares with a merge of two shards built here.
+    """
     merged_html = shards["merged"] / "_build" / "html"
     for name in QUICK:
         merged, whole = (
@@ -161,8 +165,13 @@ def test_a_merge_that_would_run_an_example_stops_and_names_it(shards, tmp_path):
         (["merge"], "say where the shards' outputs are: make merge FROM=folder"),
         (["merge", "FROM=/nonexistent"], "no shard outputs in '/nonexistent'"),
         (["html", "SHARD=4/3"], "SHARD='4/3' is not a shard: write SHARD=i/N"),
+        (["html", "SHARD=1/9"], "SHARD='1/9': 1 examples make at most 1 shards"),
         (
-            ["html", "SHARD=1/2", "EXAMPLE=plot_extending_torch_func"],
+            ["test-shard"],
+            "say which shard's notebooks to run: make test-shard SHARD=i/N",
+        ),
+        (
+            ["html", "SHARD=1/1", "EXAMPLE=plot_extending_torch_func"],
             "give EXAMPLE= or SHARD=, not both",
         ),
     ],
@@ -170,5 +179,15 @@ def test_a_merge_that_would_run_an_example_stops_and_names_it(shards, tmp_path):
 def test_a_wrong_shard_or_merge_says_what_is_wrong(tmp_path, args, message):
     result = make(small_site(tmp_path), *args)
     assert result.returncode != 0
-    assert message in result.stdout + result.stderr
-    assert "Built the site" not in result.stdout
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "Built the site" not in result.stdout
+
+
+def test_a_merge_from_one_gallery_instead_of_shards_says_so(shards, tmp_path):
+    result = make(
+        small_site(tmp_path, examples=QUICK),
+        "merge",
+        f"FROM={shards['outputs']}/shard-1",
+    )
+    assert result.returncode != 0
+    assert "holds one gallery, not one folder per shard" in result.stderr

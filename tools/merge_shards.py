@@ -41,6 +41,14 @@ def main():
     parser.add_argument("--examples", type=Path, default=REPO / "examples")
     args = parser.parse_args()
 
+    source, gallery = args.source.resolve(), args.gallery.resolve()
+    if source == gallery or gallery in source.parents or source in gallery.parents:
+        fail(f"FROM='{args.source}' overlaps {gallery}, which the merge replaces")
+    if list(args.source.glob("*/plot_*.py.md5")):
+        fail(
+            f"'{args.source}' holds one gallery, not one folder per shard: put each shard's "
+            f"docs/auto_examples in a folder of its own, e.g. {args.source}/shard-1"
+        )
     shards = (
         sorted(p for p in args.source.glob("*") if p.is_dir())
         if args.source.is_dir()

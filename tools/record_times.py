@@ -33,7 +33,7 @@ def main():
     if not PAGE.is_file():
         sys.exit(f"error: no {PAGE.relative_to(REPO)}: run a full `make html` first")
     times = times_from_execution_page(PAGE.read_text(encoding="utf-8"))
-    missing = [name for name in examples() if not times.get(name)]
+    missing = [name for name in examples() if name not in times]
     if missing:
         sys.exit(
             "error: the last build has no time for "
@@ -53,7 +53,7 @@ def main():
     ]
     for name, seconds in sorted(times.items(), key=lambda item: (-item[1], item[0])):
         if name in examples():
-            lines.append(f"{seconds:8.2f} {name}")
+            lines.append(f"{max(seconds, 0.01):8.2f} {name}")  # a time, however short
     TIMES.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {TIMES.relative_to(REPO)}: {len(lines) - 3} examples")
 

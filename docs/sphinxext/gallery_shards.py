@@ -32,11 +32,22 @@ def examples(root=REPO):
 
 def read_times(path=TIMES):
     """{example file name: seconds} from the recorded times; lines starting with # are notes."""
+    if not Path(path).is_file():
+        raise ShardError(
+            f"no recorded times at {path}: run a full `make html`, then make record-times"
+        )
     times = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(
+        Path(path).read_text(encoding="utf-8").splitlines(), 1
+    ):
         if line.strip() and not line.startswith("#"):
-            seconds, name = line.split()
-            times[name] = float(seconds)
+            match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s+(plot_\w+\.py)\s*", line)
+            if not match or float(match[1]) <= 0:
+                raise ShardError(
+                    f"{path}:{number}: expected 'SECONDS plot_name.py' with SECONDS > 0, "
+                    f"got {line!r}: rewrite the file with make record-times"
+                )
+            times[match[2]] = float(match[1])
     return times
 
 
@@ -88,6 +99,8 @@ def filename_pattern(example="", shard="", root=REPO, times_path=TIMES):
         index, count = parse_shard(shard)
         shards, _ = plan(examples(root), read_times(times_path), count)
         chosen = shards[index - 1]
+        if not chosen:  # an empty pattern would match every example
+            raise ShardError(f"shard {shard} has no examples: use fewer shards")
     else:
         return re.escape(os.sep) + "plot_"
     return "|".join(re.escape(os.sep + name) + "$" for name in chosen)
@@ -103,8 +116,16 @@ def refuse_to_execute(gallery_conf, fname):
 
 
 if __name__ == "__main__":
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    shards, load = plan(examples(), read_times(), count)
+    given = sys.argv[1] if len(sys.argv) > 1 else "3"
+    if not given.isdigit() or int(given) < 1:
+        sys.exit(
+            f"error: SHARDS={given!r} is not a number of shards: write e.g. SHARDS=3"
+        )
+    try:
+        count = int(given)
+        shards, load = plan(examples(), read_times(), count)
+    except ShardError as error:
+        sys.exit(f"error: {error}")
     print(
         f"{count} shards, balanced by the recorded times in {TIMES.relative_to(REPO)}:"
     )
