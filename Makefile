@@ -74,21 +74,15 @@ usable-venv:
 	@$(PY) -c 'import sphinx, torch' 2>/dev/null || \
 	  { echo "error: $(VENV) is stale or broken ($(PY) cannot import sphinx and torch); remove it (rm -rf $(VENV)) and run make again" >&2; exit 1; }
 
-# SHARD=i/N: checked here, so that a wrong one is one line, not a traceback from inside Sphinx.
-known-shard:
-	@if [ -n "$(SHARD)" ]; then \
-	  if ! [[ "$(SHARD)" =~ ^([0-9]+)/([0-9]+)$$ ]] || (( BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2] )); then \
-	    echo "error: SHARD='$(SHARD)' is not a shard: write SHARD=i/N with 1 <= i <= N, e.g. SHARD=2/3" >&2; exit 1; fi; \
-	  if (( BASH_REMATCH[2] > $(words $(EXAMPLES)) )); then \
-	    echo "error: SHARD='$(SHARD)': $(words $(EXAMPLES)) examples make at most $(words $(EXAMPLES)) shards" >&2; exit 1; fi; \
-	  if [ -n "$(EXAMPLE)" ]; then echo "error: give EXAMPLE= or SHARD=, not both" >&2; exit 1; fi; \
-	fi
+# SHARD=i/N: checked before the build by the code that picks the shard, in one line of error.
+known-shard: $(NEEDS)
+	@[ -z "$(SHARD)" ] || $(PY) docs/sphinxext/gallery_shards.py --check "$(SHARD)" "$(EXAMPLE)"
 
 known-example:
 	@if [ -n "$(EXAMPLE)" ] && [ -z "$(filter $(basename $(EXAMPLE)),$(EXAMPLES))" ]; then \
 	  echo "error: no example called '$(EXAMPLE)'. The examples are: $(EXAMPLES)" >&2; exit 1; fi
 
-html: known-example known-shard $(NEEDS)  ## Build the site, running the examples (SHARD=i/N: one shard's), into _build/html
+html: known-example $(NEEDS) known-shard  ## Build the site, running the examples (SHARD=i/N: one shard's), into _build/html
 	@mkdir -p $(BUILD)
 	GALLERY_EXAMPLE="$(basename $(EXAMPLE))" GALLERY_SHARD="$(SHARD)" $(LOG) || $(FAILED)
 	@echo "Built the site: $(OPEN)" | tee -a $(BUILD)/sphinx.log
@@ -117,7 +111,7 @@ browser:
 test: browser $(NEEDS)  ## Run the test suite (it builds its own copy of the site)
 	CHROMIUM="$$(command -v "$(CHROMIUM)")" $(PY) -m pytest tests
 
-test-shard: known-shard $(NEEDS)  ## After make html SHARD=i/N: run that shard's notebooks in a kernel
+test-shard: $(NEEDS) known-shard  ## After make html SHARD=i/N: run that shard's notebooks in a kernel
 	@[ -n "$(SHARD)" ] || { echo "error: say which shard's notebooks to run: make test-shard SHARD=i/N" >&2; exit 1; }
 	SITE_TREE=$(CURDIR) GALLERY_SHARD="$(SHARD)" $(PY) -m pytest tests/test_downloading.py -k test_notebook_runs
 

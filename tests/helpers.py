@@ -21,10 +21,8 @@ EXAMPLES = sorted(
 
 sys.path.insert(0, str(REPO / "docs" / "sphinxext"))
 from gallery_shards import (  # noqa: E402
-    parse_shard,
-    plan,
-    read_times,
-    times_from_execution_page,  # noqa: E402, F401 (for conftest)
+    shard_examples,
+    times_from_execution_page,  # noqa: F401 (for conftest)
 )
 
 
@@ -32,9 +30,8 @@ def shard_of(examples, shard):
     """The examples that `make html SHARD=i/N` executes; all of them when shard is empty."""
     if not shard:
         return list(examples)
-    index, count = parse_shard(shard)
-    shards, _ = plan([e.name for e in examples], read_times(), count)
-    return [e for e in examples if e.name in shards[index - 1]]
+    chosen = shard_examples(shard)
+    return [e for e in examples if e.name in chosen]
 
 
 # The notebooks this run executes: all, or one shard's (`make test-shard SHARD=i/N` on CI).

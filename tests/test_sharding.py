@@ -165,7 +165,7 @@ def test_a_merge_that_would_run_an_example_stops_and_names_it(shards, tmp_path):
         (["merge"], "say where the shards' outputs are: make merge FROM=folder"),
         (["merge", "FROM=/nonexistent"], "no shard outputs in '/nonexistent'"),
         (["html", "SHARD=4/3"], "SHARD='4/3' is not a shard: write SHARD=i/N"),
-        (["html", "SHARD=1/9"], "SHARD='1/9': 1 examples make at most 1 shards"),
+        (["html", "SHARD=1/9"], "9 shards for 1 examples would leave a shard empty"),
         (
             ["test-shard"],
             "say which shard's notebooks to run: make test-shard SHARD=i/N",

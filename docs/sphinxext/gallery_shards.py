@@ -8,7 +8,8 @@ A merged build (``make merge``) executes nothing: sphinx-gallery skips every exa
 matches the output a shard left, and ``refuse_to_execute``, a ``reset_modules`` hook that runs
 only before an example executes, stops the build naming any example it would run.
 
-Run as a script, it prints the plan: ``python gallery_shards.py 3``.
+Run as a script, it prints the plan (``python gallery_shards.py 3``), or checks a SHARD and an
+EXAMPLE before a build (``--check 2/3 ""``), so that make reports a wrong one in one line.
 """
 
 import os
@@ -88,6 +89,15 @@ def plan(names, times, count):
     return [sorted(shard) for shard in shards], load
 
 
+def shard_examples(shard, root=REPO, times_path=TIMES):
+    """The file names of the examples that shard 'i/N' executes."""
+    index, count = parse_shard(shard)
+    shards, _ = plan(examples(root), read_times(times_path), count)
+    if not shards[index - 1]:  # an empty pattern would match every example
+        raise ShardError(f"shard {shard} has no examples: use fewer shards")
+    return shards[index - 1]
+
+
 def filename_pattern(example="", shard="", root=REPO, times_path=TIMES):
     """sphinx-gallery's filename_pattern: the examples this build executes."""
     example = example.removesuffix(".py")
@@ -96,11 +106,7 @@ def filename_pattern(example="", shard="", root=REPO, times_path=TIMES):
     if example:
         chosen = [f"{example}.py"]
     elif shard:
-        index, count = parse_shard(shard)
-        shards, _ = plan(examples(root), read_times(times_path), count)
-        chosen = shards[index - 1]
-        if not chosen:  # an empty pattern would match every example
-            raise ShardError(f"shard {shard} has no examples: use fewer shards")
+        chosen = shard_examples(shard, root, times_path)
     else:
         return re.escape(os.sep) + "plot_"
     return "|".join(re.escape(os.sep + name) + "$" for name in chosen)
@@ -115,19 +121,27 @@ def refuse_to_execute(gallery_conf, fname):
         )
 
 
-if __name__ == "__main__":
-    given = sys.argv[1] if len(sys.argv) > 1 else "3"
+def main(args):
+    """`--check SHARD EXAMPLE` (make's check before a build), or `COUNT` (make shards)."""
+    if args[:1] == ["--check"]:
+        filename_pattern(example=args[2], shard=args[1])
+        return
+    given = args[0] if args else "3"
     if not given.isdigit() or int(given) < 1:
-        sys.exit(
-            f"error: SHARDS={given!r} is not a number of shards: write e.g. SHARDS=3"
+        raise ShardError(
+            f"SHARDS={given!r} is not a number of shards: write e.g. SHARDS=3"
         )
-    try:
-        count = int(given)
-        shards, load = plan(examples(), read_times(), count)
-    except ShardError as error:
-        sys.exit(f"error: {error}")
+    count = int(given)
+    shards, load = plan(examples(), read_times(), count)
     print(
         f"{count} shards, balanced by the recorded times in {TIMES.relative_to(REPO)}:"
     )
     for index, (shard, seconds) in enumerate(zip(shards, load), start=1):
         print(f"  SHARD={index}/{count}: {seconds:5.0f} s  {' '.join(shard)}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ShardError as error:
+        sys.exit(f"error: {error}")
