@@ -7,9 +7,11 @@ its gradient needs a formula autograd would not find), a custom
 :class:`torch.autograd.Function` supplies the forward and the derivatives by hand. To work
 under ``grad``, ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``, it must follow three
 rules: a forward without ``ctx`` plus a ``setup_context``; a ``vmap`` staticmethod or
-``generate_vmap_rule = True``; a ``jvp`` staticmethod for forward mode. This page writes two
+``generate_vmap_rule = True``; a ``jvp`` staticmethod for forward mode. This page writes three
 such Functions, checks every derivative against closed forms and with ``gradcheck`` in float64,
-and shows the error for each rule that is broken.
+shows the error for each rule that is broken, writes a batching rule for a Function of two
+inputs, and shows two features of ``autograd.Function`` that do not compose with the
+transforms.
 """
 
 # %%
@@ -109,9 +111,9 @@ print("gradcheck (reverse and forward mode) and gradgradcheck pass")
 # %%
 # Breaking the rules one at a time
 # --------------------------------
-# Each missing piece has its own error, and each error names what is missing. A Function
-# written the pre-2.0 way, with ``ctx`` as the forward's first argument, works with
-# ``loss.backward()`` but not under the transforms.
+# Each missing piece has its own error, and each error names what is missing. A Function in
+# the older style, with ``ctx`` as the forward's first argument (still documented, and fine
+# for plain autograd), works with ``loss.backward()`` but not under the transforms.
 
 
 def expect_error(fn, error_type, fragment):
@@ -221,8 +223,166 @@ assert torch.autograd.gradgradcheck(
 print("SoftClip: generated vmap rule, grad, jacfwd, gradcheck and gradgradcheck agree")
 
 # %%
-# Both Functions and their derivatives
-# ------------------------------------
+# A batching rule by hand, for a Function of two inputs
+# -----------------------------------------------------
+# ``NumpyMatVec`` computes the matrix-vector product ``A v`` in NumPy. Its ``vmap``
+# staticmethod receives ``info`` and ``in_dims``, one entry per input: the dimension that
+# ``vmap`` maps over, or ``None`` for an input it does not map over. The rule moves each
+# mapped dimension to the front, expands an unmapped input to ``info.batch_size`` copies, runs
+# the Function once on the whole batch (``np.matmul`` broadcasts over leading dimensions), and
+# returns the output with its batch dimension (``out_dims``: a tuple with one entry per output,
+# for a Function that returns several). Inside the rule the Function sees the batch, so its
+# ``backward`` and ``jvp`` are written with ``...`` to accept leading batch dimensions.
+
+
+class NumpyMatVec(torch.autograd.Function):
+    @staticmethod
+    def forward(A, v):
+        A_np, v_np = A.detach().cpu().numpy(), v.detach().cpu().numpy()
+        product = np.matmul(A_np, v_np[..., None])[..., 0]
+        return torch.as_tensor(product, device=v.device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        A, v = ctx.saved_tensors
+        grad_A = grad_output[..., :, None] * v[..., None, :]  # an outer product
+        return grad_A, (grad_output[..., None, :] @ A)[..., 0, :]
+
+    @staticmethod
+    def jvp(ctx, tangent_A, tangent_v):
+        A, v = ctx.saved_tensors
+        return (tangent_A @ v[..., None] + A @ tangent_v[..., None])[..., 0]
+
+    @staticmethod
+    def vmap(info, in_dims, A, v):
+        def batch_first(t, dim):
+            if dim is None:
+                return t.expand(info.batch_size, *t.shape)
+            return t.movedim(dim, 0)
+
+        A_dim, v_dim = in_dims
+        product = NumpyMatVec.apply(batch_first(A, A_dim), batch_first(v, v_dim))
+        return product, 0  # the output, and its batch dimension
+
+
+# %%
+# The reference for every batching is a Python loop of ``A @ v``; batch dimensions in other
+# places and an unmapped input go through the same rule. The derivatives have closed forms: for
+# ``u · (A v)``, the gradient is ``u vᵀ`` for ``A`` and ``Aᵀ u`` for ``v``; the Jacobian with
+# respect to ``v`` is ``A``. ``grad`` and ``jvp`` of a ``vmap`` run ``backward`` and ``jvp`` on
+# the whole batch.
+matrices = torch.randn(4, 3, 5, device=device, dtype=torch.float64)
+vectors = torch.randn(4, 5, device=device, dtype=torch.float64)
+weights = torch.randn(3, device=device, dtype=torch.float64)
+matvec = NumpyMatVec.apply
+loop = torch.stack([A @ v for A, v in zip(matrices, vectors)])
+torch.testing.assert_close(vmap(matvec)(matrices, vectors), loop)
+moved = vmap(matvec, in_dims=(2, 1))(matrices.permute(1, 2, 0), vectors.T)
+torch.testing.assert_close(moved, loop)
+one_matrix = vmap(matvec, in_dims=(None, 0))(matrices[0], vectors)
+torch.testing.assert_close(one_matrix, torch.stack([matrices[0] @ v for v in vectors]))
+
+grad_A, grad_v = vmap(grad(lambda A, v: weights @ matvec(A, v), argnums=(0, 1)))(
+    matrices, vectors
+)
+torch.testing.assert_close(grad_A, weights[None, :, None] * vectors[:, None, :])
+torch.testing.assert_close(grad_v, matrices.transpose(1, 2) @ weights)
+summed = grad(lambda A: vmap(matvec, in_dims=(None, 0))(A, vectors).sum())(matrices[0])
+torch.testing.assert_close(summed, torch.ones(3, 1, device=device) * vectors.sum(0))
+tangents = torch.randn_like(matrices), torch.randn_like(vectors)
+_, pushed = jvp(vmap(matvec), (matrices, vectors), tangents)
+expected = (tangents[0] @ vectors[..., None] + matrices @ tangents[1][..., None])[
+    ..., 0
+]
+torch.testing.assert_close(pushed, expected)
+for jacobian in (jacrev, jacfwd):
+    torch.testing.assert_close(
+        jacobian(matvec, argnums=1)(matrices[0], vectors[0]), matrices[0]
+    )
+inputs = (matrices[0].clone().requires_grad_(), vectors[0].clone().requires_grad_())
+assert torch.autograd.gradcheck(matvec, inputs, check_forward_ad=True)
+assert torch.autograd.gradgradcheck(matvec, inputs)
+print("NumpyMatVec: vmap over A, v or both, grad, jvp, jacrev, jacfwd, gradcheck agree")
+
+# %%
+# What does not compose
+# ---------------------
+# Two features of ``autograd.Function`` do not carry over to every transform. An in-place
+# Function marks its input with ``ctx.mark_dirty``; it runs under ``grad``, but ``vmap``
+# through a generated rule refuses it. Rewrite it out of place.
+
+
+class DoubleInPlace(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.mul_(2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return 2 * grad_output
+
+
+torch.testing.assert_close(
+    grad(lambda t: DoubleInPlace.apply(t.clone()).sum())(x), torch.full_like(x, 2.0)
+)
+expect_error(
+    lambda: vmap(lambda t: DoubleInPlace.apply(t.clone()))(batch),
+    RuntimeError,
+    "marked as dirty",
+)
+
+# %%
+# A ``backward`` decorated with ``once_differentiable`` cannot be differentiated again. Plain
+# autograd raises if asked; nested ``grad`` does not, and returns a second derivative of 0.
+# For ``x³`` it is ``6x``: write ``backward`` with PyTorch operators and drop the decorator.
+
+
+class CubeOnce(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad_output
+
+
+first = vmap(grad(CubeOnce.apply))(x)
+second = vmap(grad(grad(CubeOnce.apply)))(x)
+torch.testing.assert_close(first, 3 * x**2)
+print(f"once_differentiable under grad(grad): largest |second derivative| "
+      f"{second.abs().max():.1f}, where 6x reaches {(6 * x).abs().max():.1f}")  # fmt: skip
+assert (second == 0).all() and (6 * x).abs().max() > 1
+leaf = x.clone().requires_grad_()
+(slope,) = torch.autograd.grad(CubeOnce.apply(leaf).sum(), leaf, create_graph=True)
+expect_error(
+    lambda: torch.autograd.grad(slope.sum(), leaf),
+    RuntimeError,
+    "does not require grad",
+)
+
+# %%
+# The two element-wise Functions and their derivatives
+# ----------------------------------------------------
 # The figure draws each Function with the derivative that ``vmap(grad)`` finds through it.
 METHOD_COLORS = {"vmap": "#009E73"}
 grid = torch.linspace(-4, 4, 200, device=device, dtype=torch.float64)
@@ -248,7 +408,9 @@ plt.show()
 # * A Function for ``torch.func``: ``forward`` without ``ctx``, plus ``setup_context`` that
 #   saves with ``save_for_backward`` and ``save_for_forward``.
 # * ``vmap``, and ``jacfwd`` which batches with it, need a ``vmap`` staticmethod or
-#   ``generate_vmap_rule = True``; forward mode (``jvp``) needs a ``jvp`` staticmethod.
-# * Write ``backward`` with PyTorch operators so that it can be differentiated again.
+#   ``generate_vmap_rule = True``; a hand-written rule moves or expands each input to a
+#   leading batch dimension. Forward mode (``jvp``) needs a ``jvp`` staticmethod.
+# * Write ``backward`` with PyTorch operators, without ``once_differentiable``, so that it can
+#   be differentiated again: nested ``grad`` otherwise returns a zero second derivative.
 # * Check hand-written derivatives with ``gradcheck(..., check_forward_ad=True)`` and
 #   ``gradgradcheck`` in float64.
