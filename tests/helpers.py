@@ -96,6 +96,7 @@ MINIMAL_INDEX = """A small site
    auto_examples/index
    api
    reading-timings
+   building
    sg_execution_times
 """
 
