@@ -82,6 +82,7 @@ sphinx_gallery_conf = {
         "../examples/per_sample_gradients",
         "../examples/jacobians_and_curvature",
         "../examples/models_as_functions",
+        "../examples/science",
         "../examples/guides",
     ],
     "within_subsection_order": "reading_order.ReadingOrder",

@@ -609,6 +609,7 @@ SECTIONS = {
     "per_sample_gradients": "Per-sample gradients and privacy",
     "jacobians_and_curvature": "Jacobians, Hessians and curvature",
     "models_as_functions": "Models as functions: ensembles and the NTK",
+    "science": "Derivatives for science: forces, Laplacians and PDEs",
     "guides": "Guides",
 }
 

@@ -17,7 +17,14 @@ from helpers import EXAMPLES, REPO, soup
 
 FIRST_CALL_WITHIN = 80  # lines from the top of the source
 PAGE_LINES_AT_MOST = 450
-REPEATED_LINES_AT_MOST = 100  # over the whole gallery, counted once per page
+REPEATED_LINES_AT_MOST = 60  # over the whole gallery, counted once per page
+# The three lines every page opens with (device, seed, hardware), copied on purpose: a reader
+# meets the same first cell on every page. They are not machinery, and do not count.
+OPENING_LINES = {
+    'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")',
+    "torch.manual_seed(0)",
+    'print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")',
+}
 REPEATED_IN_AT_LEAST = 3  # pages
 # A line this short (`plt.show()`, `else:`) is idiom, not a copied helper.
 SHORTEST_COUNTED_LINE = 20
@@ -50,6 +57,7 @@ SITE_PALETTE = {
     "torch eager": "#004488",
     "JAX": "#EE7733",
     "JAX jit": "#DDAA33",
+    "Hutchinson": "#AA3377",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
@@ -115,6 +123,7 @@ def code_lines(source):
         line
         for line in stripped
         if len(line) >= SHORTEST_COUNTED_LINE
+        and line not in OPENING_LINES
         and re.search("[A-Za-z]", line)
         and not line.startswith(("import ", "from "))
     }
@@ -260,3 +269,35 @@ def test_every_timing_on_the_page_stands_beside_its_spread(site, example):
     once = ("IQR", "measured once", "one profiled call")
     bare = [line for line in timed if not any(mark in line for mark in once)]
     assert not bare, f"{example} prints times without their spread: {bare[:5]}"
+
+
+# A spread printed as zero: "IQR 0.00 ms" after a single block says the times did not vary.
+ZERO_SPREAD = re.compile(r"IQR:? ?[±]?0(\.0+)? ?(ms|µs|us|s)\b")
+
+
+@pytest.mark.parametrize("example", TIMED, ids=str)
+def test_no_spread_on_the_page_reads_zero(site, example):
+    output = output_of(soup(site.page(example)))
+    zero = [line for line in output.splitlines() if ZERO_SPREAD.search(line)]
+    assert not zero, (
+        f"{example} prints a spread of zero (one block, or too few digits): {zero[:5]}"
+    )
+
+
+# A ratio below 1 called a speed-up: "0.12x faster" means "takes 8.3x the time".
+UPSIDE_DOWN = re.compile(r"\b0\.\d+ ?[x×] (faster|slower|speed-?up|quicker)", re.I)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_no_ratio_below_one_is_called_faster_or_slower(site, example):
+    page = soup(site.page(example))
+    text = output_of(page) + "\n" + page.select_one("article").get_text(" ")
+    wrong = [m.group(0) for m in UPSIDE_DOWN.finditer(text)]
+    assert not wrong, f"{example} words a ratio below 1 as a speed: {wrong[:5]}"
+
+
+def test_the_reading_checks_see_a_zero_spread_and_an_upside_down_ratio():
+    assert ZERO_SPREAD.search("vmap: 1.20 ms (IQR 0.00 ms, 1 block)")
+    assert not ZERO_SPREAD.search("vmap: 1.20 ms (IQR 0.04 ms)")
+    assert UPSIDE_DOWN.search("compiled is 0.12x faster than eager")
+    assert not UPSIDE_DOWN.search("compiled takes 8.3x the loop's time; 1.20x faster")
