@@ -2,54 +2,39 @@
 torch.func and JAX, side by side
 ================================
 
-``torch.func`` modelled its transforms on JAX's: ``grad``, ``vmap``, ``jacfwd``, ``jacrev``,
-``hessian`` and ``jvp`` compose the same way in both. So what would you gain or lose by staying
-in PyTorch? This page writes six recipes (per-sample gradients, a tall and a wide Jacobian, a
-Hessian, a Hessian-vector product and an ensemble) in both libraries for one small classifier
-with the same weights, checks every entry of both against a float64 reference computed by plain
-autograd, then times each recipe four ways (PyTorch eager, ``torch.compile``, JAX op by op and
-``jax.jit``) and counts what each way runs, to explain the times it prints.
+``torch.func`` modelled ``grad``, ``vmap``, ``jacfwd``, ``jacrev``, ``hessian`` and ``jvp`` on
+JAX's. This page writes six recipes in both libraries for one classifier with the same weights,
+checks each entry of both against a float64 reference, times each recipe four ways (PyTorch
+eager, ``torch.compile``, JAX op by op and ``jax.jit``) and counts some of what each runs.
 """
 
 # %%
 # One model, two libraries
 # ------------------------
-# JAX's transforms act only on a function's arguments, so on both sides the classifier is a function
-# of a dictionary of parameters: :func:`~torch.func.functional_call` runs the PyTorch module
-# with one, and the JAX version is three lines of matrix algebra on the same numbers
-# (``nn.Linear`` stores ``W`` as (out, in), hence ``x @ W.T + b``). Both run in float32 on the
-# same kind of device: where PyTorch has a GPU and JAX has none, both run on the CPU.
+# JAX's transforms act only on a function's arguments, so on both sides the classifier is a
+# function of a dictionary of parameters: :func:`~torch.func.functional_call` runs the PyTorch
+# module with one, and the JAX version is three lines of matrix algebra on the same numbers.
+# Both run in float32 on one kind of device: if only PyTorch has a GPU, both run on the CPU.
 import copy
 import cProfile
 import math
 import pstats
-import re
 import textwrap
 import time
 import warnings
-from unittest import mock
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor.graph import GraphLowering
-from torch.func import (
-    functional_call,
-    grad,
-    hessian,
-    jacfwd,
-    jacrev,
-    jvp,
-    stack_module_state,
-    vmap,
-)
+from torch._dynamo.utils import counters
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.benchmark import Timer
+from torch.utils.benchmark import Measurement, Timer
+from torch.utils.flop_counter import FlopCounterMode
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if device.type == "cpu":
@@ -180,9 +165,8 @@ recipes["wide Jacobian (jacrev)"] = (wide_jacobian, (params, x0),
 # ---------------------------------------
 # The Hessian of one example's loss with respect to its 16 inputs: ``hessian`` is ``jacfwd``
 # of ``jacrev`` in both libraries. With respect to the parameters, too large to form cheaply,
-# we take its product with a direction ``v``: ``jvp`` of ``grad``, the gradient's derivative
-# along ``v``, forward over reverse. The reference differentiates the float64 gradient again in
-# reverse mode: row by row for the Hessian, through its dot product with ``v`` for the product.
+# we take its product with a direction ``v``: ``jvp`` of ``grad``, forward over reverse. The
+# reference differentiates the float64 gradient again: by rows, and its dot product with ``v``.
 
 
 def input_hessian(p, x, y):
@@ -228,10 +212,9 @@ recipes["Hessian-vector product"] = (hvp, (params, direction, inputs, labels),
 # Eight classifiers, run on one batch in one call: :func:`~torch.func.stack_module_state`
 # stacks each parameter of the eight along a new first axis, and ``vmap`` maps
 # ``functional_call`` over it, with a module on the ``meta`` device for the structure alone. In
-# JAX the stacked dictionary is a pytree like any other. Each member alone, in float64, is the
-# reference.
+# JAX the stacked dictionary is a pytree like any other. The reference: each member in float64.
 members = [classifier().to(device) for _ in range(8)]
-stacked = {name: p.detach() for name, p in stack_module_state(members)[0].items()}
+stacked = {n: p.detach() for n, p in torch.func.stack_module_state(members)[0].items()}
 template = classifier().to("meta")
 
 
@@ -247,6 +230,18 @@ outputs64 = [copy.deepcopy(m).double()(inputs.double()) for m in members]
 references["ensemble of 8"] = {"logits": torch.stack(outputs64).detach()}
 recipes["ensemble of 8"] = (ensemble, (stacked, inputs),
     jax_ensemble, (to_jax(stacked), jax_inputs))  # fmt: skip
+
+# %%
+# Other names that carry over
+# ---------------------------
+# ``jax.lax.stop_gradient(x)`` is ``x.detach()`` (checked below); ``has_aux`` is spelled alike
+# in ``grad``, ``jacrev``, ``jacfwd`` and ``vjp``; ``jax.custom_jvp`` and ``custom_vjp`` become
+# a :class:`torch.autograd.Function` (:ref:`the extending page
+# <sphx_glr_auto_examples_guides_plot_extending_torch_func.py>`). JAX takes random keys where
+# ``vmap`` takes ``randomness=``; ``chunk_size`` is nearest to ``jax.lax.map``'s ``batch_size``.
+stop = jax.lax.stop_gradient  # with one factor stopped, the gradient of x·x is x
+assert torch.equal(grad(lambda x: (x.detach() * x).sum())(x0), x0)
+assert np.array_equal(jax.grad(lambda x: (stop(x) * x).sum())(jax_x0), jax_x0)
 
 # %%
 # Every recipe, checked
@@ -283,11 +278,11 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
 # -----------------
 # Four ways to run each recipe: PyTorch eager, :func:`torch.compile` of the same function, JAX
 # op by op (no ``jax.jit`` of ours), and ``jax.jit``, to which every array goes as an argument:
-# one captured from the enclosing scope would be a constant of the program, which XLA may fold. The
-# first call of each compiled function compiles it (timed once); its result is compared with
-# the uncompiled one. :class:`torch.utils.benchmark.Timer` times every call, the JAX ones with
-# ``jax.block_until_ready``, as JAX returns before its work is done. The first row, ``x + 1``
-# on one number, is the cost of a call with next to no work in it.
+# one captured from the enclosing scope would be a constant of the program, which XLA may fold.
+# A compiled function's first call compiles it (timed once), checked against the uncompiled
+# one. :class:`torch.utils.benchmark.Timer` times every call, the JAX ones with
+# ``jax.block_until_ready``, as JAX returns before its work is done; its ``num_threads`` sets
+# torch's threads, not XLA's own pool. The first row, ``x + 1``, is a call with next to no work.
 METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733",
                  "JAX": "#EE7733", "JAX jit": "#DDAA33"}  # fmt: skip
 LABELS = {**{m: m for m in METHOD_COLORS}, "compiled": "torch compiled"}
@@ -303,11 +298,10 @@ timed = {"x + 1": (add_one, (one,), add_one, (to_jax({"x": one})["x"],)), **reci
 
 def four_calls(torch_fn, torch_args, jax_fn, jax_args):
     """Compile both sides (timed once), check them, and return the four calls."""
-    compiled, jitted, code = torch.compile(torch_fn), jax.jit(jax_fn), []
+    compiled, jitted = torch.compile(torch_fn), jax.jit(jax_fn)
     eager_result, jax_result = torch_fn(*torch_args), jax_fn(*jax_args)
     started = time.perf_counter()
-    with warnings.catch_warnings(), mock.patch.object(
-            GraphLowering, "save_output_code", code.append):  # fmt: skip
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*_prims_common.check")
         compiled_result = compiled(*torch_args)  # the compiler warns about its own code
     middle = time.perf_counter()
@@ -315,38 +309,46 @@ def four_calls(torch_fn, torch_args, jax_fn, jax_args):
     seconds = (middle - started, time.perf_counter() - middle)
     torch.testing.assert_close(compiled_result, eager_result)
     torch.testing.assert_close(*jax.tree.map(np.array, (jit_result, jax_result)))
-    calls = {
-        "torch eager": lambda: torch_fn(*torch_args),
-        "compiled": lambda: compiled(*torch_args),
-        "JAX": lambda: jax.block_until_ready(jax_fn(*jax_args)),
-        "JAX jit": lambda: jax.block_until_ready(jitted(*jax_args)),
-    }
+    calls = {"torch eager": lambda: torch_fn(*torch_args),
+             "compiled": lambda: compiled(*torch_args),
+             "JAX": lambda: jax.block_until_ready(jax_fn(*jax_args)),
+             "JAX jit": lambda: jax.block_until_ready(jitted(*jax_args))}  # fmt: skip
     for call in calls.values():
         call()  # warm-up: JAX compiles each primitive on its first use
-    return calls, seconds, code
+    return calls, seconds
 
 
-def ms(seconds, like):  # three significant digits of `like`
-    return f"{seconds * 1e3:.{max(0, 2 - math.floor(math.log10(like * 1e3)))}f}"
+def three(value):  # three significant digits, never an exponent
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f}"
 
 
+def measure(call):  # blocks of calls for 0.1 s, and at least 5 blocks
+    timer = Timer("call()", globals={"call": call}, num_threads=torch.get_num_threads())
+    blocks = [timer.blocked_autorange(min_run_time=0.1)]
+    while sum(len(m.times) for m in blocks) < 5:
+        blocks.append(timer.blocked_autorange(min_run_time=0.1))
+    return Measurement.merge(blocks)[0]
+
+
+torch._dynamo.reset()  # compile afresh; below, one graph each: no break, no recompiling
+graphs = counters["stats"]["unique_graphs"]
 runs = {recipe: four_calls(*recipe_args) for recipe, recipe_args in timed.items()}
-timings, threads = {}, torch.get_num_threads()
-for recipe, (calls, _, _) in runs.items():
-    t = timings[recipe] = {}
-    for method, call in calls.items():
-        timer = Timer("call()", globals={"call": call}, num_threads=threads)
-        t[method] = timer.blocked_autorange(min_run_time=0.1)
-    print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {ms(t[m].median, t[m].median)} ms"
-          for m in t) + f" (IQR {', '.join(ms(t[m].iqr, t[m].median) for m in t)} ms)")  # fmt: skip
-for recipe, (_, (torch_s, jax_s), _) in runs.items():
+timings = {}
+for recipe, (calls, _) in runs.items():
+    t = timings[recipe] = {method: measure(call) for method, call in calls.items()}
+    print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {three(t[m].median * 1e3)} ms"
+          for m in t) + f" (IQR {', '.join(three(t[m].iqr * 1e3) for m in t)} ms)")  # fmt: skip
+assert counters["stats"]["unique_graphs"] - graphs == len(timed)  # one each: no break
+blocks = min(len(m.times) for t in timings.values() for m in t.values())
+print(f"each time above is the median of {blocks} or more blocks of calls")
+for recipe, (_, (torch_s, jax_s)) in runs.items():
     print(f"{recipe}: first call (compiles, or loads a cached compile), measured once: "
           f"torch.compile {torch_s:.2f} s, jax.jit {jax_s:.2f} s")  # fmt: skip
 for recipe, t in timings.items():
     eager = t["JAX"].median / t["torch eager"].median
     fused = t["JAX jit"].median / t["compiled"].median
-    print(f"{recipe}: JAX op by op takes {eager:.2f}x the time of torch eager, "
-          f"JAX jit {fused:.2f}x the time of torch compiled")  # fmt: skip
+    print(f"{recipe}: JAX op by op takes {three(eager)}x the time of torch eager, "
+          f"JAX jit {three(fused)}x the time of torch compiled")  # fmt: skip
 
 # %%
 # The figure sets the four times of each recipe side by side, on a logarithmic axis.
@@ -363,77 +365,74 @@ fig.legend(ncols=4, loc="outside lower center")
 plt.show()
 
 # %%
-# Why: count what each one runs
-# -----------------------------
-# These recipes do little arithmetic, so their time probably goes mostly to what surrounds it.
-# Two counts per call. The operations launched: in PyTorch eager, every ATen operation
-# dispatched (a ``TorchDispatchMode`` sees each one, views included); for JAX op by op, the
-# primitives of its program (``jax.make_jaxpr``, inside ``jax.nn``'s small ``jit`` functions
-# too); for ``torch.compile``, the kernel launches in Inductor's code, fused loops and library
-# calls (matrix products); for ``jax.jit``, the instructions at the top level of XLA's
-# optimised program. And the Python function calls one call makes, counted by ``cProfile``.
+# Why: what each one runs
+# -----------------------
+# Two counts, by tools first checked on a call whose answer is known: the *Python calls* of one
+# call, built-ins included, by ``cProfile``; the eager call's *matrix products*, recorded by a
+# ``TorchDispatchMode`` and run alone under the same timer (``FlopCounterMode`` must find all of
+# the call's FLOPs in them). No count of operations run: a dispatch mode also sees views, which
+# compute nothing, and JAX runs ``jnp.matmul``, ``jnp.tanh`` and others as compiled programs.
+PRODUCTS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "bmm")}
 
 
-class CountOps(TorchDispatchMode):
+class Record(TorchDispatchMode):  # every ATen operation dispatched, with its arguments
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.ops.append((func, args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
-def primitives(jaxpr):
-    inner = [list(jax.extend.core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns]
-    return sum(sum(map(primitives, jaxprs)) if jaxprs else 1 for jaxprs in inner)
+def products_alone(fn, *args):
+    """The matrix products a call runs, as one call; how many, and their FLOPs."""
+    with FlopCounterMode(display=False) as whole, Record() as record:
+        fn(*args)
+    products = [op for op in record.ops if op[0] in PRODUCTS]
+
+    def replay():
+        return [f(*a, **k) for f, a, k in products]
+
+    with FlopCounterMode(display=False) as alone:
+        replay()
+    assert alone.get_total_flops() == whole.get_total_flops(), "a product was missed"
+    return replay, len(products), whole.get_total_flops()
 
 
-def python_calls(call):
+def python_calls(call):  # less an empty call's two: itself, the profiler's stop
     profiler = cProfile.Profile()
     profiler.runcall(call)
-    return pstats.Stats(profiler).total_calls
+    return pstats.Stats(profiler).total_calls - 2
 
 
-LAUNCH = re.compile(r"\s+(\w+ = )?(extern_kernels\.|cpp_|triton_|aten\.|torch\.ops\.)")
-NO_WORK = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-for recipe, (torch_fn, torch_args, jax_fn, jax_args) in timed.items():
-    with CountOps() as eager_ops:
-        torch_fn(*torch_args)
-    calls, _, (code,) = runs[recipe]  # one graph: no graph break
-    body = code[code.index("def call(") :].split("\nrunner =")[0]
-    hlo = jax.jit(jax_fn).lower(*jax_args).compile().as_text()
-    entry = hlo.split("\nENTRY")[1].split("\n}")[0].splitlines()[1:]
-    opcodes = [re.search(r"= .*?\b([a-z][\w-]*)\(", line)[1] for line in entry]
-    launched = {
-        "torch eager": eager_ops.count,
-        "compiled": sum(bool(LAUNCH.match(line)) for line in body.splitlines()),
-        "JAX": primitives(jax.make_jaxpr(jax_fn)(*jax_args).jaxpr),
-        "JAX jit": sum(op not in NO_WORK for op in opcodes),
-    }
+assert products_alone(lambda m: m.T @ m, torch.randn(3, 4))[1:] == (1, 2 * 4 * 3 * 4)
+assert python_calls(lambda: len("one")) == 1
+for recipe, (calls, _) in runs.items():
     calls = {m: python_calls(call) for m, call in calls.items()}
-    for what, count in (("operations launched", launched), ("Python calls", calls)):
-        named = ", ".join(f"{LABELS[m]} {n}" for m, n in count.items())
-        print(f"{recipe}, {what}: {named}")
-    if recipe != "x + 1":  # both compilers fuse: at most half the launches
-        assert 2 * launched["compiled"] <= launched["torch eager"], recipe
-        assert 2 * launched["JAX jit"] <= launched["JAX"], recipe
+    print(f"{recipe}, Python calls: " + ", ".join(f"{LABELS[m]} {n}"
+          for m, n in calls.items()))  # fmt: skip
     assert calls["torch eager"] < calls["JAX"], recipe
     assert calls["JAX jit"] < calls["compiled"], recipe
+for recipe, (torch_fn, torch_args, *_) in recipes.items():
+    replay, products, flops = products_alone(torch_fn, *torch_args)
+    calls = runs[recipe][0]  # timed again, beside the products alone
+    alone, eager, compiled = (measure(c).median for c in
+                              (replay, calls["torch eager"], calls["compiled"]))  # fmt: skip
+    print(f"{recipe}: the eager call's {products} matrix products ({flops / 1e6:.2f} MFLOP)"
+          f" alone take {three(100 * alone / eager)}% of the time of torch eager timed beside"
+          f" them, {three(100 * alone / compiled)}% of torch compiled's")  # fmt: skip
 
 # %%
 # Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
-# interpreters written in Python, which every primitive passes through before it runs, so an
-# op-by-op call makes more Python calls than PyTorch's (asserted); ``torch.func`` batches and
-# differentiates each operation in PyTorch's C++ dispatcher. That is probably most of the first
-# ratio of each recipe. *Compiled against jit*: both compilers fuse the element-wise work around
-# the matrix products, launching at most half the operations of the uncompiled call (asserted).
-# A ``jax.jit`` call runs from C++ with a handful of Python calls, a compiled torch function
-# through a Python wrapper of many more (asserted), a fixed cost the ``x + 1`` row times. Where
-# the kernel counts do not side with the faster compiler, the difference is probably the
-# kernels' own speed (generated loops, each side's matrix-product library), not measured here.
-# All of this is paid per call, and arithmetic probably outweighs it on a larger model;
-# compiling is paid once, as printed.
+# interpreters written in Python, which every primitive passes through, so an op-by-op call
+# makes more Python calls than PyTorch's (asserted). ``torch.func`` does that work in C++ for
+# most operations; its Python calls come from its wrappers, the pytrees of parameters, the
+# module's ``forward`` and some operations' decompositions. That is probably much of the first
+# ratio. *Compiled against jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled
+# torch function many more (asserted), a cost the ``x + 1`` row times; the rest is the compiled
+# code's own work, of which the products run alone are a guide on the torch side (compiled code
+# calls the same library for some of them). Compiling is paid once, as printed.
 
 # %%
 # What to remember
@@ -446,5 +445,6 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in timed.items():
 #   (out, in), so JAX computes ``x @ W.T + b``.
 # - Check both libraries against a float64 reference that uses neither, and bound their
 #   difference by a small multiple of the errors measured there.
-# - Eager PyTorch dispatches from C++ where JAX op by op interprets in Python; ``jax.jit`` calls
-#   cost less Python than ``torch.compile`` calls. Count both, and pass ``jax.jit`` every array.
+# - Op by op, JAX makes more Python calls than eager PyTorch, and a ``jax.jit`` call fewer
+#   than a ``torch.compile`` one. Count with a tool checked on a known case, and pass
+#   ``jax.jit`` every array.
