@@ -2,15 +2,13 @@
 Per-sample gradients at the limit: every method against the floor
 =================================================================
 
-There are at least seven ways to get one gradient per example out of PyTorch: a loop,
-``vmap(grad(...))`` plain, chunked and compiled, PyTorch's expanded weights, Opacus'
-``GradSampleModule``, and per-layer formulas written by hand. This page checks every one of
-them, parameter by parameter, against a float64 loop, on a wide MLP and on a small CNN, and
-times each as a multiple of a reference called *the floor*: the larger of one ordinary batched
-forward and backward pass and writing the B·P floats of the result into memory the process
-already holds. You would want this to pick a method for your model and batch size, and to see
-how far each is from the work every method has to do. Memory is on the sibling page,
-:ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads_memory.py`.
+Seven ways to get one gradient per example out of PyTorch: a loop, ``vmap(grad(...))`` plain,
+chunked and compiled, PyTorch's expanded weights, Opacus' ``GradSampleModule``, and per-layer
+formulas written by hand. This page checks each, parameter by parameter, against a float64
+loop on a wide MLP and a small CNN, and times each as a multiple of a yardstick, *the floor*:
+the larger of one ordinary batched forward and backward pass and writing the B·P floats of the
+result into memory the process holds. Use it to pick a method for your model and batch size.
+Memory is on :ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads_memory.py`.
 """
 
 # %%
@@ -29,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 from torch.utils import benchmark
@@ -39,6 +38,7 @@ torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 torch.backends.cudnn.allow_tf32 = False
 
+
 # %%
 # The recipe: vmap(grad) on an MLP, checked against a float64 loop
 # ----------------------------------------------------------------
@@ -46,13 +46,10 @@ torch.backends.cudnn.allow_tf32 = False
 # and ``vmap`` maps it over the batch: ``vmap(f)(x)`` equals stacking ``f(x_i)`` over
 # ``x.unbind(0)``. ``in_dims=(None, 0, 0)`` shares the parameters and maps images and targets.
 # The reference is the plain definition: one backward pass per sample, in float64.
-
-
 class WideMLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc1 = nn.Linear(784, 256)
-        self.fc2 = nn.Linear(256, 256)
+        self.fc1, self.fc2 = nn.Linear(784, 256), nn.Linear(256, 256)
         self.fc3 = nn.Linear(256, 10)
 
     def forward(self, images):
@@ -102,37 +99,33 @@ print(f"MLP vmap(grad): worst parameter's relative error {worst:.1e}")
 # %%
 # The check can fail. Zero the first layer's bias gradients, a plausible bug in a hand-written
 # method, and it names the parameter; a wrong or missing piece has an error of order one.
-broken = vmap_grad_fn(mlp)(images, targets) | {
-    "fc1.bias": torch.zeros(64, 256, device=device)
-}
+broken = vmap_grad_fn(mlp)(images, targets)
+broken["fc1.bias"] = torch.zeros_like(broken["fc1.bias"])
 try:
     check("vmap with a zeroed bias", broken, mlp_reference)
+    raise RuntimeError("a zeroed bias gradient passed the check")
 except AssertionError as error:
     print("caught:", error)
     assert "fc1.bias has relative error 1.00e+00" in str(error)
-else:
-    raise AssertionError("a zeroed bias gradient passed the check")
+
 
 # %%
 # The other methods
 # -----------------
 # ``chunk_size=16`` maps 16 samples at a time and concatenates the pieces. ``torch.compile``
-# with ``dynamic=True`` compiles one graph for every batch size; its first call compiles, and
-# is timed on its own. **Expanded weights** (``call_for_per_sample_grads``) lives in
-# ``torch.nn.utils._per_sample_grad``: the underscore marks a **private API**, which may change
-# without notice. One ordinary backward pass leaves a ``grad_sample`` on every parameter;
-# ``loss_reduction="mean"`` says the loss is a batch mean. **Opacus**' ``GradSampleModule``
-# does the same with hooks. Each gets its own copy of the model, so that no hook runs inside
-# another method's timing.
-
-
+# compiles on its first call, timed on its own, and again for each new batch size: ``vmap``
+# fixes the batch size in the graph even with ``dynamic=True`` (the graphs are counted below).
+# **Expanded weights** (``call_for_per_sample_grads``) is a **private API** (the underscore in
+# ``torch.nn.utils._per_sample_grad``) that may change without notice: one ordinary backward
+# pass leaves a ``grad_sample`` on every parameter; ``loss_reduction="mean"`` says the loss is
+# a batch mean. **Opacus**' ``GradSampleModule`` does the same with hooks. Each gets its own
+# copy of the model, so that no hook runs inside another method's timing.
 def expanded_weights_fn(net):
     net = copy.deepcopy(net)
 
     def per_sample(images, targets):
-        wrapped = call_for_per_sample_grads(
-            net, batch_size=len(images), loss_reduction="mean"
-        )
+        kwargs = {"batch_size": len(images), "loss_reduction": "mean"}
+        wrapped = call_for_per_sample_grads(net, **kwargs)
         F.cross_entropy(wrapped(images), targets).backward()
         grads = {name: p.grad_sample for name, p in net.named_parameters()}
         for p in net.parameters():
@@ -152,10 +145,8 @@ def opacus_fn(net):
     def per_sample(images, targets):
         wrapped.zero_grad(set_to_none=True)
         F.cross_entropy(wrapped(images), targets).backward()
-        return {
-            n.removeprefix("_module."): p.grad_sample
-            for n, p in wrapped.named_parameters()
-        }
+        named = wrapped.named_parameters()
+        return {n.removeprefix("_module."): p.grad_sample for n, p in named}
 
     return per_sample
 
@@ -163,17 +154,13 @@ def opacus_fn(net):
 # %%
 # Hand-written per-layer formulas
 # -------------------------------
-# Why are per-sample gradients cheap at all? For a linear layer ``y = W a + b``, sample ``i``'s
-# weight gradient is the outer product of the gradient reaching the output, ``g_i``, with the
-# input ``a_i``; the ordinary weight gradient is their *sum* over the batch. A 2-d convolution
-# is a linear layer applied at every position of the unfolded input
-# (:func:`~torch.nn.functional.unfold`), so its per-sample weight gradient is the same product,
-# summed over positions. Forward hooks capture each layer's input and output; the gradient of
-# the *summed* loss with respect to the outputs is each sample's own output gradient (a
-# sample's loss depends on its own outputs only). The products are written with
-# :func:`torch.bmm` into buffers kept from call to call; no parameter gradient is computed.
-
-
+# For a linear layer ``y = W a + b``, sample ``i``'s weight gradient is the outer product of
+# the gradient reaching the output, ``g_i``, with the input ``a_i``; the ordinary weight
+# gradient is their *sum* over the batch. A 2-d convolution is a linear layer at every position
+# of the unfolded input (:func:`~torch.nn.functional.unfold`): the same product, summed over
+# positions. Forward hooks capture each layer's input and output; the gradient of the *summed*
+# loss with respect to the outputs is each sample's own output gradient. The products are
+# written with :func:`torch.bmm` into buffers kept from call to call.
 def hand_written_fn(net):
     layers = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     names = {p: name for name, p in net.named_parameters()}
@@ -220,27 +207,24 @@ def method_fns(net, compiled=None):
     return fns | ({"compiled": compiled} if compiled is not None else {})
 
 
+graphs_before = counters["stats"]["unique_graphs"]
 compile_start = time.perf_counter()
 mlp_compiled = torch.compile(vmap_grad_fn(mlp), dynamic=True)
 mlp_compiled(images, targets)
 compile_seconds = time.perf_counter() - compile_start
-print(
-    f"torch.compile's first call (it compiles), measured once: {compile_seconds:.1f} s"
-)
+print(f"torch.compile's first call, measured once: {compile_seconds:.1f} s")
 for method, fn in method_fns(mlp, mlp_compiled).items():
     worst = check(method, fn(images, targets), mlp_reference)
     print(f"MLP {method:17s} worst parameter's relative error {worst:.1e}")
 
+
 # %%
-# The CNN, on a batch without max-pool ties
-# -----------------------------------------
-# The convolutional network of PyTorch's per-sample-gradients tutorial. Its max-pool passes the
-# gradient to the largest of four values; where two of them are nearly equal, float32 and
-# float64 can pick different ones, and the two gradients then differ by far more than
-# rounding. So the check uses samples on which both precisions pick the same element in every
-# window: the reference follows the same path as the method checked.
-
-
+# The CNN, on samples away from kinks
+# -----------------------------------
+# The network of PyTorch's per-sample-gradients tutorial. Its ReLUs and max-pool have kinks,
+# where the gradient jumps (an input near zero, two near-equal values in a pooling window);
+# there float32 and float64 can take different sides, and their gradients differ by far more
+# than rounding. So the check keeps samples on which both take the same side of every kink.
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -248,42 +232,44 @@ class SmallCNN(nn.Module):
         self.conv2 = nn.Conv2d(32, 64, kernel_size=3)
         self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
 
-    def pool_input(self, images):
-        return F.relu(self.conv2(F.relu(self.conv1(images))))
+    def kink_sides(self, images):  # ReLU signs and max-pool picks, layer by layer
+        z1 = self.conv1(images)
+        z2 = self.conv2(F.relu(z1))
+        pooled, picks = F.max_pool2d(F.relu(z2), 2, return_indices=True)
+        return [z1 > 0, z2 > 0, picks, self.fc1(pooled.flatten(start_dim=1)) > 0]
 
     def forward(self, images):
-        hidden = F.max_pool2d(self.pool_input(images), 2).flatten(start_dim=1)
-        return self.fc2(F.relu(self.fc1(hidden)))
+        hidden = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(images)))), 2)
+        return self.fc2(F.relu(self.fc1(hidden.flatten(start_dim=1))))
 
 
 cnn = SmallCNN().to(device)
 cnn64 = copy.deepcopy(cnn).double()
 with torch.no_grad():
-    picks32 = F.max_pool2d(cnn.pool_input(images), 2, return_indices=True)[1]
-    picks64 = F.max_pool2d(cnn64.pool_input(images.double()), 2, return_indices=True)[1]
-same_picks = (picks32 == picks64).flatten(start_dim=1).all(dim=1)
-print(f"CNN: {int((~same_picks).sum())} of 64 samples pool differently in float64")
-cnn_images, cnn_targets = images[same_picks][:16], targets[same_picks][:16]
+    sides = zip(cnn.kink_sides(images), cnn64.kink_sides(images.double()))
+    same = torch.stack([(a == b).flatten(1).all(1) for a, b in sides]).all(0)
+print(f"CNN: {int((~same).sum())} of 64 samples cross a kink in float64")
+cnn_images, cnn_targets = images[same][:16], targets[same][:16]
 assert len(cnn_images) == 16
 cnn_reference = loop_grads(cnn64, cnn_images.double(), cnn_targets)
 for method, fn in method_fns(cnn).items():
     worst = check(method, fn(cnn_images, cnn_targets), cnn_reference)
     print(f"CNN {method:17s} worst parameter's relative error {worst:.1e}")
 
+
 # %%
-# The floor: a reference, not a bound
+# The floor: a yardstick, not a bound
 # -----------------------------------
-# Two costs that every method seems to share. (a) **One ordinary batched forward and backward
-# pass**: the per-sample formulas do the multiply-adds of the ordinary weight gradient, only
-# without the sum over the batch. (b) **Writing B·P floats**, the result, into memory the
-# process holds (a fill of a kept tensor). The floor is the larger of the two, measured in the
-# same run. It is not a lower bound: compiled code fuses operations that the eager batched
-# step runs one at a time, and timing noise moves both sides, so methods can land under it;
-# the page asserts nothing about timings. What each method does, counted at batch 64: FLOPs
-# with ``torch.utils.flop_counter.FlopCounterMode``, and the operations it dispatches (each
-# with a fixed cost: Python, the dispatcher, on a GPU a kernel launch) with the profiler.
-
-
+# Two costs every method seems to share. (a) **One ordinary batched forward and backward
+# pass**: the per-sample formulas do the ordinary weight gradient's multiply-adds, without the
+# sum over the batch. (b) **Writing B·P floats**, the result, into memory the process holds (a
+# fill of a kept tensor). The floor is the larger of the two, measured in the same run.
+# It is not a lower bound: compiled code fuses operations that the eager step runs one at a
+# time, and noise moves both sides, so methods can land under it. What each method does is
+# counted at batch 64: the aten operations it dispatches (nested ones and views included) with
+# the profiler, and FLOPs with ``FlopCounterMode``, which has formulas for matrix products and
+# convolutions only. Checked first: a matrix product counts ``2·m·k·n``, and outer products
+# formed by a broadcast elementwise product count nothing.
 def batched_step_fn(net):
     weights = list(net.parameters())
     return lambda images, targets: torch.autograd.grad(
@@ -291,28 +277,47 @@ def batched_step_fn(net):
     )
 
 
-def counted_work(fn):
-    """FLOPs of products and convolutions, and aten operations (nested ones included)."""
+def counted_work(fn, *batch):
     with FlopCounterMode(display=False) as flops_seen:
-        fn(images, targets)
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
-        fn(images, targets)
-    return flops_seen.get_total_flops(), sum(
-        e.name.startswith("aten::") for e in prof.events()
-    )
+        fn(*batch)
+    with torch.profiler.profile() as prof:
+        fn(*batch)
+    aten_ops = sum(e.name.startswith("aten::") for e in prof.events())
+    return flops_seen.get_total_flops(), aten_ops
 
 
+a, b = torch.randn(64, 10, device=device), torch.randn(64, 256, device=device)
+with FlopCounterMode(display=False) as known:
+    torch.mm(a.T, b), a[:, :, None] * b[:, None]
+assert known.get_total_flops() == 2 * 10 * 64 * 256  # the matrix product only
 eager = {"batched": batched_step_fn(mlp)} | method_fns(mlp)
-work = {m: counted_work(fn) for m, fn in eager.items()}
+work = {m: counted_work(fn, images, targets) for m, fn in eager.items()}
 print(f"MLP, batch 64: the batched step does {work['batched'][0] / 1e6:.1f} MFLOP")
 for m, (flops, ops) in work.items():
-    print(
-        f"{m:17s} {flops / work['batched'][0]:.2f}x its FLOPs, {ops:6d} aten operations"
-    )
-assert 0.9 < work["loop"][0] / work["batched"][0] < 1.1  # the same products, one by one
+    print(f"{m:17s} {flops / work['batched'][0]:.2f}x its FLOPs, "
+          f"{ops:6d} aten operations")  # fmt: skip
+assert work["loop"][0] == work["batched"][0]  # the same products, one sample at a time
 assert work["loop"][1] > 32 * work["batched"][1]  # every operation once per sample
+weight_grad_flops = sum(2 * 64 * m.weight.numel() for m in (mlp.fc1, mlp.fc2, mlp.fc3))
+assert work["batched"][0] - work["expanded weights"][0] == weight_grad_flops
+
+# %%
+# Expanded weights' count lacks exactly the weight gradients' products (asserted): it forms
+# them as broadcast elementwise products (its ``einsum`` runs as ``mul`` here), which the
+# counter does not count. On the CNN it errs the other way: under ``vmap``, a convolution's
+# per-sample weight gradient is one convolution with a group per sample, and the counter's
+# formula for its backward ignores groups, so ``vmap`` shows ``B - 1`` extra copies (asserted).
+cnn_flops = [counted_work(fn(cnn), cnn_images, cnn_targets)[0]
+             for fn in (batched_step_fn, vmap_grad_fn)]  # fmt: skip
+with torch.no_grad():  # each convolution's output positions, for one sample
+    z1 = cnn.conv1(cnn_images[:1])
+    positions = [z1[0, 0].numel(), cnn.conv2(z1)[0, 0].numel()]
+B, convs = len(cnn_images), (cnn.conv1, cnn.conv2)
+# a multiply-add (2 FLOPs) per weight and output position, for each sample:
+weight_grads = B * sum(2 * c.weight.numel() * n for c, n in zip(convs, positions))
+assert cnn_flops[1] - cnn_flops[0] == (B - 1) * weight_grads
+print(f"CNN, batch {B}: FlopCounterMode counts {cnn_flops[1] / cnn_flops[0]:.1f}x the "
+      "batched step's FLOPs for vmap; the arithmetic is the same")  # fmt: skip
 
 # %%
 # How fast is each method?
@@ -325,15 +330,28 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
     assert libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1)
 
+
 # %%
 # Each method and each part of the floor is timed with :class:`torch.utils.benchmark.Timer`
 # for the CNN at the tutorial's batch of 64, and for the MLP over batch sizes. Every time is
-# printed with its interquartile range (IQR), the spread of its timed blocks.
+# printed with its interquartile range (IQR) over at least five timed blocks.
+def measure(stmt, context, blocks=5):
+    timer = benchmark.Timer(stmt, globals=context, num_threads=torch.get_num_threads())
+    first = timer.blocked_autorange(min_run_time=0.2)
+    missing = blocks - len(first.times)  # a slow call: time more blocks, for a spread
+    more = [timer.timeit(first.number_per_run) for _ in range(missing)]
+    return benchmark.Measurement.merge([first, *more])[0]
+
+
 batch_sizes = {"CNN": [64], "MLP": [16, 64, 256]}
 if device.type != "cpu":  # a GPU: larger batches
     batch_sizes = {"CNN": [64, 256], "MLP": [64, 256, 1024]}
-METHODS = ["loop", "vmap", "vmap chunked", "compiled", "expanded weights", "opacus",
-           "hand-written"]  # fmt: skip
+METHOD_COLORS = {
+    "loop": "#D55E00", "vmap": "#009E73", "vmap chunked": "#44AA99", "compiled": "#117733",
+    "expanded weights": "#332288", "opacus": "#AA4499", "hand-written": "#999933",
+}  # fmt: skip
+METHODS = list(METHOD_COLORS)  # the exact methods, in the order of the figure
+breaks_before = sum(counters["graph_break"].values())
 results = {}  # (model, batch size) -> {method or floor part: Measurement}
 for model_name, net in {"CNN": cnn, "MLP": mlp}.items():
     fns = method_fns(net, mlp_compiled if net is mlp else None)
@@ -347,12 +365,13 @@ for model_name, net in {"CNN": cnn, "MLP": mlp}.items():
         context = {"fns": fns, "batched": batched_step_fn(net), "held": held}
         context |= {"x": x, "y": y}
         results[model_name, batch_size] = {
-            name: benchmark.Timer(
-                stmt=stmt, globals=context, num_threads=torch.get_num_threads()
-            ).blocked_autorange(min_run_time=0.2)
-            for name, stmt in timed.items()
+            name: measure(stmt, context) for name, stmt in timed.items()
         }
         del held, context
+graphs = counters["stats"]["unique_graphs"] - graphs_before
+assert graphs == len({64, *batch_sizes["MLP"]}), f"{graphs} compiled graphs"
+assert sum(counters["graph_break"].values()) == breaks_before  # all of it compiled
+print(f"torch.compile: {graphs} graphs, one per batch size, without a graph break")
 
 
 # %%
@@ -365,42 +384,31 @@ def over_floor(times, method):
     return times[method].median / floor_of(times).median
 
 
+def in_ms(t):  # enough digits that a small spread does not read as zero
+    iqr = f"{t.iqr * 1e3:.2f}" if t.iqr >= 1e-5 else f"{t.iqr * 1e3:.1g}"
+    return f"{t.median * 1e3:8.2f} ms (IQR {iqr} ms, {len(t.times)} blocks)"
+
+
 for (model_name, batch_size), times in results.items():
-    floor = floor_of(times)
-    print(f"{model_name} B={batch_size}: the floor is {floor.median * 1e3:.2f} ms "
-          f"(IQR {floor.iqr * 1e3:.2f} ms)")  # fmt: skip
+    print(f"{model_name} B={batch_size}: the floor is {in_ms(floor_of(times)).strip()}")
     for name, t in times.items():
-        ms, iqr = t.median * 1e3, t.iqr * 1e3
-        print(f"    {name:17s} {ms:8.2f} ms (IQR {iqr:.2f} ms) "
-              f"{over_floor(times, name):6.2f}x")  # fmt: skip
+        print(f"    {name:17s} {in_ms(t)} {over_floor(times, name):6.2f}x")
 for batch_size in batch_sizes["MLP"]:
     times = results["MLP", batch_size]
     best = min((m for m in METHODS if m in times), key=lambda m: times[m].median)
-    ratio = over_floor(times, best)
-    print(f"best exact method at batch {batch_size}: {best}, {ratio:.2f} x the floor")
+    print(f"best exact method at batch {batch_size}: {best}, "
+          f"{over_floor(times, best):.2f} x the floor")  # fmt: skip
 
 # %%
 # The figure plots the same ratios; the dashed line is the floor. A point under it is a
 # method that beat this run's batched step or fill, not an impossible one.
-METHOD_COLORS = {
-    "loop": "#D55E00",
-    "vmap": "#009E73",
-    "vmap chunked": "#44AA99",
-    "compiled": "#117733",
-    "expanded weights": "#332288",
-    "opacus": "#AA4499",
-    "hand-written": "#999933",
-}
 fig, (ax_cnn, ax_mlp) = plt.subplots(
     1, 2, figsize=(9, 3.8), layout="constrained", width_ratios=[1, 2]
 )
 cnn_times = results["CNN", 64]
 cnn_methods = [m for m in METHODS if m in cnn_times]
-ax_cnn.barh(
-    cnn_methods,
-    [over_floor(cnn_times, m) for m in cnn_methods],
-    color=[METHOD_COLORS[m] for m in cnn_methods],
-)
+cnn_ratios = [over_floor(cnn_times, m) for m in cnn_methods]
+ax_cnn.barh(cnn_methods, cnn_ratios, color=[METHOD_COLORS[m] for m in cnn_methods])
 ax_cnn.invert_yaxis()
 ax_cnn.axvline(1, color="black", linestyle="--", linewidth=1)
 ax_cnn.set(title="CNN, batch 64", xlabel="time / floor")
@@ -409,31 +417,22 @@ for method in METHODS:
     ratios = [over_floor(results["MLP", b], method) for b in sizes]
     ax_mlp.plot(sizes, ratios, marker="o", color=METHOD_COLORS[method], label=method)
 ax_mlp.axhline(1, color="black", linestyle="--", linewidth=1)
-ax_mlp.set_xscale("log", base=2)
-ax_mlp.set_yscale("log")
+ax_mlp.set(xscale="log", yscale="log", xlabel="batch size", ylabel="time / floor")
 ax_mlp.set_xticks(batch_sizes["MLP"], [str(b) for b in batch_sizes["MLP"]])
-ax_mlp.set(
-    xlabel="batch size", ylabel="time / floor", title=f"MLP on {device.type.upper()}"
-)
+ax_mlp.set_title(f"MLP on {device.type.upper()}")
 ax_mlp.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 
 # %%
 # What the counts say about the times
 # -----------------------------------
-#
-# - **The loop** does the batched step's FLOPs (counted above) but dispatches every
-#   operation once per sample, many times the batched step's count. Its
-#   distance from the floor is probably that fixed cost per operation, which on a GPU also
-#   includes a kernel launch; run this page there to see how much that moves the ratios.
-# - **vmap(grad)** and **Opacus** do the batched step's FLOPs; expanded weights' count is
-#   lower, probably because FlopCounterMode does not see the products inside its backward.
-#   Where these methods are slower than the floor, the likely cause is extra passes over the
-#   B·P floats of the result (copies, concatenations), which the sibling page measures in
-#   bytes. **Chunking** dispatches the work once per chunk and concatenates the chunks.
-# - **torch.compile** fuses operations, so it can run below the eager batched step that sets
-#   the floor. Its compile time is printed above; ``dynamic=True`` pays it once for every batch
-#   size.
+# - **The loop** does the batched step's FLOPs but dispatches every operation once per sample;
+#   its distance from the floor is probably that fixed cost (on a GPU, a kernel launch too).
+# - **vmap(grad)**, **Opacus** and **expanded weights** do the batched step's products. Where
+#   they are slower than the floor, extra passes over the B·P floats (copies, concatenations)
+#   and many small products in place of one large one are both candidates; the counts do not
+#   tell them apart. **Chunking** runs the work once per chunk and concatenates the chunks.
+# - **torch.compile** fuses operations, so it can run below the eager batched step.
 # - **The hand-written formulas** skip the parameter gradients and write into kept buffers.
 #   The sibling page shows the catch: each call overwrites the result of the one before.
 
@@ -442,9 +441,9 @@ plt.show()
 # ----------------
 # - ``vmap(grad(sample_loss), in_dims=(None, 0, 0))`` over ``functional_call`` gives every
 #   sample's gradient; check each parameter on its own against a float64 loop.
-# - Through a max-pool, check float32 against float64 on samples whose pooling picks agree in
-#   both precisions, so that the reference follows the same path.
-# - The floor, max(batched step, writing B·P floats), is a reference, not a bound: compare
+# - Near a ReLU or max-pool kink, float32 and float64 can differ by far more than rounding:
+#   check on samples where both precisions take the same side of every kink.
+# - The floor, max(batched step, writing B·P floats), is a yardstick, not a bound: compare
 #   methods as multiples of it, measured in the same run.
-# - Count what a method does (FLOPs with ``FlopCounterMode``, operations with the profiler)
-#   before explaining its time.
+# - Count what a method does before explaining its time, and check the counter on known cases:
+#   ``FlopCounterMode`` misses elementwise products and over-counts a grouped convolution.

@@ -15,9 +15,9 @@ depth; at the end, the recipes are timed, their arithmetic counted and their res
 # A model, and one gradient per example
 # -------------------------------------
 # Two facts explain most recipes below. ``vmap(f)(x)`` computes what stacking ``f(x_i)`` over
-# ``x.unbind(0)`` would, in one call. ``jacrev`` builds a Jacobian row by row, one
-# vector-Jacobian product per output; ``jacfwd`` column by column, one Jacobian-vector product
-# per input.
+# ``x.unbind(0)`` would, in one call. ``jacrev`` builds a Jacobian from one vector-Jacobian
+# product per output (row), ``jacfwd`` from one Jacobian-vector product per input (column),
+# all rows or columns in one ``vmap``-ed call; their ``chunk_size=`` bounds the memory.
 import warnings
 from collections import OrderedDict
 
@@ -38,8 +38,9 @@ from torch.func import (
     vjp,
     vmap,
 )
-from torch.profiler import profile
 from torch.utils import benchmark
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
@@ -267,8 +268,9 @@ recipes["ensemble of 8"] = lambda: ensemble(stacked, stacked_buffers, inputs)
 # :func:`~torch.func.linearize` returns the output at ``x0`` and a function that applies the
 # Jacobian at ``x0`` to any tangent. PyTorch's documentation says it evaluates the model twice
 # (once for the output, once to trace the products into a graph); a forward hook counts the
-# model's calls below. The reference is the Jacobian from ``torch.autograd``, times each
-# tangent; ``vjp`` checks the transpose, ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``.
+# model's calls below. The two combine: ``vmap(jvp_at_x0)`` pushes all tangents through the
+# linearized function in one call. The reference is the Jacobian from ``torch.autograd``, times
+# each tangent; ``vjp`` checks the transpose, ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``.
 model_calls = []
 hook = model.register_forward_hook(lambda *_: model_calls.append(1))
 with warnings.catch_warnings():  # linearize's tracer warns about an internal constant
@@ -277,41 +279,51 @@ with warnings.catch_warnings():  # linearize's tracer warns about an internal co
 print(f"linearize called the model {len(model_calls)} times")
 assert len(model_calls) == 2
 tangents = torch.randn(16, 16, device=device)
-model_calls.clear()
-linearized = torch.stack([jvp_at_x0(t) for t in tangents])
-print(f"16 products from linearize called it {len(model_calls)} times")
-assert not model_calls
-model_calls.clear()
-fresh = torch.stack([jvp(model, (x0,), (t,))[1] for t in tangents])
-print(f"16 calls of jvp called it {len(model_calls)} times")
-assert len(model_calls) == 16
-model_calls.clear()
-mapped = vmap(lambda t: jvp(model, (x0,), (t,))[1])(tangents)
-print(f"vmap(jvp) over 16 tangents called it {len(model_calls)} time(s)")
-assert len(model_calls) == 1
-hook.remove()
 
+
+def jvp_of(t):
+    return jvp(model, (x0,), (t,))[1]
+
+
+recipes["16 JVPs, loop of jvp"] = lambda: torch.stack([jvp_of(t) for t in tangents])
+recipes["16 JVPs, linearize"] = lambda: torch.stack([jvp_at_x0(t) for t in tangents])
+recipes["16 JVPs, vmap(jvp)"] = lambda: vmap(jvp_of)(tangents)
+recipes["16 JVPs, vmap(linearize)"] = lambda: vmap(jvp_at_x0)(tangents)
 jvp_reference = tangents @ torch.autograd.functional.jacobian(model, x0).T
-products = {"linearize": linearized, "jvp": fresh, "vmap(jvp)": mapped}
-for method, result in products.items():
-    print(f"{method}: relative error {relative_error(result, jvp_reference):.1e}")
-    assert relative_error(result, jvp_reference) < 1e-5, method
+products = {}
+calls = {"loop of jvp": 16, "linearize": 0, "vmap(jvp)": 1, "vmap(linearize)": 0}
+for method, expected_calls in calls.items():
+    model_calls.clear()
+    products[method] = recipes[f"16 JVPs, {method}"]()
+    error = relative_error(products[method], jvp_reference)
+    print(f"{method}: {len(model_calls)} model calls, relative error {error:.1e}")
+    assert len(model_calls) == expected_calls, (method, len(model_calls))
+    assert error < 1e-5, (method, error)
+hook.remove()
 _, pullback = vjp(model, x0)
 u = torch.randn(10, device=device)
-torch.testing.assert_close(linearized @ u, tangents @ pullback(u)[0])
-recipes["16 JVPs, loop of jvp"] = lambda: [jvp(model, (x0,), (t,))[1] for t in tangents]
-recipes["16 JVPs, linearize"] = lambda: [jvp_at_x0(t) for t in tangents]
-recipes["16 JVPs, vmap(jvp)"] = lambda: vmap(lambda t: jvp(model, (x0,), (t,))[1])(
-    tangents
-)
+torch.testing.assert_close(products["linearize"] @ u, tangents @ pullback(u)[0])
+
 
 # %%
-# How fast is it?
-# ---------------
+# How fast is it, and how much arithmetic?
+# ----------------------------------------
 # Each recipe is timed with :class:`torch.utils.benchmark.Timer` (median and interquartile
-# range), its arithmetic counted by torch's profiler (``with_flops=True`` counts matrix
-# products and elementwise multiplications and additions), and its result sized by counting
-# its bytes (``numel() * element_size()``).
+# range, IQR, over its blocks) and its result sized by counting its bytes. Its arithmetic is
+# counted by a dispatch mode that adds up torch's own FLOP formulas (those of
+# ``FlopCounterMode``: matrix products; elementwise operations have none) over the operations
+# that run. Such a mode sees them below the transforms, so a product under ``vmap`` counts once,
+# as the batched product that runs; the profiler's FLOP column would count both the transform's
+# operation and the one it becomes. (``FlopCounterMode`` itself, whose module tracking hooks
+# into autograd, raises an error under ``jacrev`` of a module in this version.)
+class CountFlops(TorchDispatchMode):
+    total = 0
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        formula = flop_registry.get(op.overloadpacket)
+        self.total += formula(*args, **(kwargs or {}), out_val=out) if formula else 0
+        return out
 
 
 def result_bytes(result):
@@ -321,49 +333,74 @@ def result_bytes(result):
     return sum(map(result_bytes, parts))
 
 
+def timed(call, blocks=5):
+    timer = benchmark.Timer("call()", globals={"call": call}, num_threads=threads)
+    measured = timer.blocked_autorange(min_run_time=0.2)
+    while len(measured.times) < blocks:  # a slow call: one more block, for a spread
+        extra = timer.timeit(measured.number_per_run)
+        measured = benchmark.Measurement.merge([measured, extra])[0]
+    return measured
+
+
 parameter_count = sum(p.numel() for p in params.values())
 assert result_bytes(per_sample) == batch_size * parameter_count * 4  # float32: 4 bytes
 timings, flops, threads = {}, {}, torch.get_num_threads()
 for name, call in recipes.items():
-    with profile(with_flops=True) as prof:
+    with CountFlops() as counter:
         result = call()
-    flops[name] = sum(event.flops for event in prof.key_averages())
-    timer = benchmark.Timer("call()", globals={"call": call}, num_threads=threads)
-    t = timings[name] = timer.blocked_autorange(min_run_time=0.2)
-    print(f"{name:30s} {t.median * 1e3:7.2f} ms (IQR {t.iqr * 1e3:5.2f} ms, "
-          f"n={len(t.times)}) {flops[name] / 1e6:6.2f} MFLOP "
+    flops[name] = counter.total
+    t = timings[name] = timed(call)
+    iqr = f"{t.iqr * 1e3:.2f}" if t.iqr >= 1e-5 else f"{t.iqr * 1e3:.1g}"
+    print(f"{name:30s} {t.median * 1e3:7.2f} ms (IQR {iqr} ms, "
+          f"{len(t.times)} blocks) {flops[name] / 1e6:6.2f} MFLOP "
           f"{result_bytes(result) / 1024:7.1f} KiB")  # fmt: skip
 
 
-# Counts, unlike times, can be asserted: each mode's FLOPs follow its number of vectors.
-assert flops["tall Jacobian, jacrev"] > 4 * flops["tall Jacobian, jacfwd"]
-assert flops["wide Jacobian, jacfwd"] > 4 * flops["wide Jacobian, jacrev"]
-assert flops["16 JVPs, loop of jvp"] > 2 * flops["16 JVPs, linearize"]
+# %%
+# The counts can be checked, unlike the times: each equals a closed form in passes through the
+# layers, at ``2 · inputs · outputs`` FLOPs per linear layer and pass. Forward mode runs two
+# passes more than its tangents: the primal one, and one through the tangent of the tensor
+# that has none (a weight, or the head's input), which it materialises as zeros and multiplies
+# (PyTorch issue #69687).
+def pass_flops(*layers):
+    return sum(2 * layer.in_features * layer.out_features for layer in layers)
 
 
-def ratio(slow, fast):
-    return f"{timings[slow].median / timings[fast].median:.2f}x the time"
-
-
-print("tall: jacrev takes", ratio("tall Jacobian, jacrev", "tall Jacobian, jacfwd"),
-      f"of jacfwd, and {flops['tall Jacobian, jacrev'] / flops['tall Jacobian, jacfwd']:.1f}"
-      " times its FLOPs")  # fmt: skip
-print("wide: jacfwd takes", ratio("wide Jacobian, jacfwd", "wide Jacobian, jacrev"),
-      f"of jacrev, and {flops['wide Jacobian, jacfwd'] / flops['wide Jacobian, jacrev']:.1f}"
-      " times its FLOPs")  # fmt: skip
-for other in ("16 JVPs, loop of jvp", "16 JVPs, vmap(jvp)"):
-    print(f"{other} takes", ratio(other, "16 JVPs, linearize"), "of linearize, and",
-          f"{flops[other] / flops['16 JVPs, linearize']:.1f} times its FLOPs")  # fmt: skip
+encoder_pass = pass_flops(model.encoder[0], model.encoder[2])
+head_pass, model_pass = pass_flops(model.head), encoder_pass + pass_flops(model.head)
+head_size = sum(p.numel() for p in head_params.values())
+(outputs_count, inputs_count), tangent_count = tall_reference.shape, len(tangents)
+expected = {  # the primal or forward pass, one pass per vector, and the zero tangent's pass
+    "tall Jacobian, jacfwd": (1 + inputs_count + 1) * encoder_pass,
+    "tall Jacobian, jacrev": (1 + outputs_count) * encoder_pass,
+    "wide Jacobian, jacrev": (1 + model.head.out_features) * head_pass,
+    "wide Jacobian, jacfwd": (1 + head_size + 1) * head_pass,
+    "ensemble of 8": 8 * batch_size * model_pass,
+    "16 JVPs, loop of jvp": tangent_count * (1 + 1 + 1) * model_pass,
+    "16 JVPs, linearize": tangent_count * model_pass,  # only the tangent products
+    "16 JVPs, vmap(linearize)": tangent_count * model_pass,
+    "16 JVPs, vmap(jvp)": (1 + tangent_count + 1) * model_pass,
+}
+for name, count in expected.items():
+    assert flops[name] == count, f"{name}: counted {flops[name]:,}, expected {count:,}"
+print(f"{len(expected)} FLOP counts equal their closed forms")
+pairs = [("tall Jacobian, jacrev", "tall Jacobian, jacfwd"),
+         ("wide Jacobian, jacfwd", "wide Jacobian, jacrev")]  # fmt: skip
+pairs += [(f"16 JVPs, {m}", "16 JVPs, linearize") for m in ("loop of jvp", "vmap(jvp)")]
+pairs += [("16 JVPs, vmap(linearize)", "16 JVPs, linearize")]
+for slow, fast in pairs:
+    print(f"{slow} takes {timings[slow].median / timings[fast].median:.2f}x the time of "
+          f"{fast.split(', ')[1]}, and {flops[slow] / flops[fast]:.2f}x its FLOPs")  # fmt: skip
 
 # %%
 # The counts say which mode to pick for a Jacobian: the mode that pushes or pulls fewer
 # vectors does less arithmetic, by the factor printed. The time follows it where the arithmetic
 # is large; at these small sizes, fixed costs per call can decide instead (the Jacobians page
-# measures where the two cross over). For the 16 products, a loop of ``jvp`` runs the model
-# 16 times (counted above) and counts the most FLOPs; ``linearize``'s graph holds the forward
-# pass's values as constants after its first call, so each product counts only the tangent
-# arithmetic; ``vmap(jvp)`` runs the forward pass once for all 16. Where the time ratio exceeds
-# the FLOP ratio, the rest is per-call overhead (Python, the module calls), probably.
+# measures where the two cross over). For the 16 products, a loop of ``jvp`` runs three
+# passes per tangent (primal, tangent, zero tangent); the function ``linearize`` built runs
+# only the tangent pass (its row times the 16 products, not ``linearize`` itself); and
+# ``vmap(jvp)`` runs the other two passes once for all 16. Where the time ratio exceeds the FLOP
+# ratio, the rest is probably per-call overhead (Python, the module calls).
 #
 # The figure shows the times on a logarithmic axis, each bar coloured by the transform that
 # does the work.
@@ -371,22 +408,13 @@ METHOD_COLORS = {
     "vmap": "#009E73", "jacfwd": "#E69F00", "jacrev": "#0072B2", "hessian": "#56B4E9",
     "forward-over-reverse": "#EE3377", "loop": "#D55E00", "linearize": "#CC3311",
 }  # fmt: skip
-bar_method = {
-    "per-sample gradients": "vmap",
-    "tall Jacobian, jacfwd": "jacfwd",
-    "tall Jacobian, jacrev": "jacrev",
-    "wide Jacobian, jacrev": "jacrev",
-    "wide Jacobian, jacfwd": "jacfwd",
-    "Hessian": "hessian",
-    "Hessian-vector product": "forward-over-reverse",
-    "batch Jacobians": "vmap",
-    "per-sample parameter Jacobians": "vmap",
-    "NTK (trace)": "vmap",
-    "ensemble of 8": "vmap",
-    "16 JVPs, loop of jvp": "loop",
-    "16 JVPs, linearize": "linearize",
-    "16 JVPs, vmap(jvp)": "vmap",
-}
+bar_method = dict.fromkeys(recipes, "vmap") | {  # the recipes not driven by vmap
+    "tall Jacobian, jacfwd": "jacfwd", "tall Jacobian, jacrev": "jacrev",
+    "wide Jacobian, jacrev": "jacrev", "wide Jacobian, jacfwd": "jacfwd",
+    "Hessian": "hessian", "Hessian-vector product": "forward-over-reverse",
+    "16 JVPs, loop of jvp": "loop", "16 JVPs, linearize": "linearize",
+    "16 JVPs, vmap(linearize)": "linearize",
+}  # fmt: skip
 assert bar_method.keys() == recipes.keys()
 fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
 ax.barh(
@@ -410,6 +438,9 @@ plt.show()
 # What to remember
 # ----------------
 # - Per example: ``vmap(grad(loss), in_dims=(None, 0, 0))``; check it by name against a loop.
-# - Few inputs, many outputs: ``jacfwd``; few outputs: ``jacrev``. FLOPs follow the vector count.
+# - Few inputs, many outputs: ``jacfwd``; few outputs: ``jacrev``. The FLOPs follow the vector
+#   count; the time follows them only where the arithmetic outweighs fixed costs per call.
 # - A Hessian-vector product is ``jvp(grad(f), (p,), (v,))``, with no Hessian formed.
-# - ``linearize`` runs the model twice, then not per product; ``vmap(jvp)`` batches known tangents.
+# - ``linearize`` runs the model twice, then only tangent products; ``vmap`` over its function
+#   or over ``jvp`` batches known tangents. Forward mode also multiplies zero tangents.
+# - Count FLOPs with a dispatch mode, below the transforms, and check the counts on known cases.
