@@ -240,7 +240,7 @@ def run_mutated_example(tmp_path, example, anchor, replacement):
 
 
 def test_a_wrong_gradient_of_one_small_parameter_fails_its_check(tmp_path):
-    """conv1.bias is under 1% of the gradient's norm: a per-parameter check names it, with an error of 1."""
+    """conv1.bias is under 1% of the gradient's norm: a per-parameter check names it."""
     anchor = "float32_errors = check_each_parameter("
     result = run_mutated_example(
         tmp_path,
