@@ -199,6 +199,8 @@ PAGES = [
     "auto_examples/index.html",
     "api.html",
     "reading-timings.html",
+    "building.html",
+    "questions.html",
     "sg_execution_times.html",
     "search.html",
     *EXAMPLE_PAGES,
@@ -269,6 +271,10 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
         ("vmap", {"plot_per_sample_grads", "plot_batch_jacobians_hessians"}),
         ("jacrev", {"plot_jacobians_hessians", "plot_per_sample_param_jacobians"}),
         ("hessian", {"plot_jacobians_hessians", "plot_batch_jacobians_hessians"}),
+        # An error message pasted into the search finds the troubleshooting entry for it.
+        ("ZeroTensors are immutable", {"plot_troubleshooting"}),
+        ("jacrev: Expected all inputs to be real", {"plot_troubleshooting"}),
+        ("would mutate a captured Tensor", {"plot_troubleshooting"}),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):
