@@ -95,6 +95,7 @@ MINIMAL_INDEX = """A small site
 
    auto_examples/index
    api
+   questions
    reading-timings
    building
    sg_execution_times

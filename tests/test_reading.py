@@ -7,6 +7,7 @@ The source-level tests need no build and run in seconds; the others read the bui
 
 import ast
 import collections
+import functools
 import io
 import re
 import tokenize
@@ -301,3 +302,37 @@ def test_the_reading_checks_see_a_zero_spread_and_an_upside_down_ratio():
     assert not ZERO_SPREAD.search("vmap: 1.20 ms (IQR 0.04 ms)")
     assert UPSIDE_DOWN.search("compiled is 0.12x faster than eager")
     assert not UPSIDE_DOWN.search("compiled takes 8.3x the loop's time; 1.20x faster")
+
+
+# The questions page ------------------------------------------------------------------------
+
+QUESTIONS_AT_LEAST = 60
+
+
+@functools.cache
+def ids_on(path):
+    return {tag["id"] for tag in soup(path).select("[id]")}
+
+
+def test_every_question_links_where_it_was_asked_and_an_executed_answer(site):
+    """Each question on the questions page names the thread where a user asked it and links to
+    the section of an example page that answers it; that section exists on the built page."""
+    page = soup(site.html / "questions.html")
+    questions = [li for li in page.select("article li") if "Asked in" in li.get_text()]
+    assert len(questions) >= QUESTIONS_AT_LEAST, f"{len(questions)} questions"
+    missing = []
+    for question in questions:
+        links = [a["href"] for a in question.select("a[href]")]
+        asked = [href for href in links if href.startswith("https://")]
+        answers = [href for href in links if href.startswith("auto_examples/")]
+        text = question.get_text(" ", strip=True)[:80]
+        assert asked, f"no link to where it was asked: {text}"
+        assert answers, f"no answer on the site: {text}"
+        for href in answers:
+            path, _, anchor = href.partition("#")
+            target = site.html / path
+            assert target.is_file(), f"{text}: {path} is not a page"
+            assert anchor, f"{text}: {href} names no section"
+            if anchor not in ids_on(target):
+                missing.append(href)
+    assert not missing, f"answers whose section is not on the page: {missing}"
