@@ -5,8 +5,9 @@ Model ensembling with ``stack_module_state`` and ``vmap``
 An ensemble of N small models buys accuracy and uncertainty estimates at the price of running
 N models. This page stacks the members' weights with ``stack_module_state`` and runs all of
 them in one ``vmap``'d call, checks every member's output and three Adam training steps against
-that member alone, and then measures from which N the single call beats a Python loop over the
-members, counting the operations each way to see why.
+that member alone, shows what changes with gradient clipping, dropout and BatchNorm, and then
+times the single call against a Python loop over the members for N = 1 to 32, counting the
+operations each way to see why either can win.
 """
 
 # %%
@@ -76,12 +77,13 @@ def run_member(params, buffers, x):
     return functional_call(template, (params, buffers), (x,))
 
 
+def relative_error(result, reference):
+    return ((result - reference).norm() / reference.norm()).item()
+
+
 def worst_member_error(outputs, references):
     """Largest relative error ‖out − ref‖ / ‖ref‖ over the members, each compared alone."""
-    return max(
-        ((out - ref).norm() / ref.norm()).item()
-        for out, ref in zip(outputs, references)
-    )
+    return max(relative_error(out, ref) for out, ref in zip(outputs, references))
 
 
 # %%
@@ -137,10 +139,8 @@ for _ in range(3):
         optimizer.zero_grad()
         F.cross_entropy(member(own_batches[index]), targets[index]).backward()
         optimizer.step()
-        for name, p in member.named_parameters():  # before Adam rescales them
-            grad_errors.append(
-                ((trained[name].grad[index] - p.grad).norm() / p.grad.norm()).item()
-            )
+        for name, p in member.named_parameters():  # Adam reads .grad, never changes it
+            grad_errors.append(relative_error(trained[name].grad[index], p.grad))
 print(f"gradients of each member and parameter: worst error {max(grad_errors):.1e}")
 assert max(grad_errors) < 1e-5, f"gradients: worst error {max(grad_errors):.1e}"
 
@@ -151,7 +151,7 @@ assert max(grad_errors) < 1e-5, f"gradients: worst error {max(grad_errors):.1e}"
 weight_errors = []
 for index, member in enumerate(copies):
     for name, p in member.named_parameters():
-        error = ((trained[name][index] - p).norm() / p.norm()).item()
+        error = relative_error(trained[name][index], p)
         assert error < 3e-6, f"member {index} {name}: relative error {error:.1e}"
         moved = ((p - stacked_params[name][index]).norm() / p.norm()).item()
         assert moved > 1e-3, f"member {index} {name} did not move"
@@ -160,11 +160,103 @@ print(f"3 stacked Adam steps = 3 separate ones, {len(copies)} members:", end=" "
 print(f"worst relative error {max(weight_errors):.1e}")
 
 # %%
+# Gradient clipping: per member, not over the stack
+# -------------------------------------------------
+# One optimiser over the stacked tensors equals N optimisers only while every step treats the
+# members' slices apart. ``torch.nn.utils.clip_grad_norm_`` over the stacked tensors does not:
+# it computes one norm over all members together and scales every member by it. Per member,
+# take each member's norm over its own slices (all dimensions but the first) and scale its
+# slices. The reference clips each member's own gradients with ``clip_grad_norm_``; the limit is
+# the median of the members' own gradient norms, so that some members are clipped and some not.
+stacked_grads = {name: p.grad for name, p in trained.items()}
+member_norms = torch.stack(
+    [g.flatten(start_dim=1).norm(dim=1) for g in stacked_grads.values()]
+).norm(dim=0)  # (N,): each member's gradient norm over all its parameters
+own_norms = [
+    torch.cat([p.grad.flatten() for p in m.parameters()]).norm() for m in copies
+]
+max_norm = torch.stack(own_norms).median().item()
+scale = (max_norm / (member_norms + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s formula
+clipped = {
+    name: g * scale.view(-1, *[1] * (g.dim() - 1)) for name, g in stacked_grads.items()
+}
+over_the_stack = [torch.zeros_like(p, requires_grad=True) for p in trained.values()]
+for holder, g in zip(over_the_stack, stacked_grads.values()):
+    holder.grad = g.clone()
+torch.nn.utils.clip_grad_norm_(over_the_stack, max_norm)
+clip_errors, stack_errors = [], []
+for index, member in enumerate(copies):
+    own = [torch.zeros_like(p, requires_grad=True) for p in member.parameters()]
+    for holder, p in zip(own, member.parameters()):
+        holder.grad = p.grad.clone()
+    torch.nn.utils.clip_grad_norm_(own, max_norm)
+    for holder, name, held in zip(own, trained, over_the_stack):
+        clip_errors.append(relative_error(clipped[name][index], holder.grad))
+        stack_errors.append(relative_error(held.grad[index], holder.grad))
+print(f"member norms {member_norms.min():.3f} to {member_norms.max():.3f}, "
+      f"limit {max_norm:.3f}")  # fmt: skip
+print(f"per-member clipping: worst error {max(clip_errors):.1e}; clip_grad_norm_ over the "
+      f"stack: worst error {max(stack_errors):.1e}")  # fmt: skip
+assert max(clip_errors) < 1e-6, f"per-member clipping: error {max(clip_errors):.1e}"
+assert max(stack_errors) > 1e-2, "clipping over the stack matched per-member clipping"
+
+
+# %%
+# Dropout and BatchNorm
+# ---------------------
+# Dropout under ``vmap`` raises unless ``randomness=`` says whether the members share one mask
+# or draw their own; separate members draw their own, which is ``randomness="different"``
+# (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` checks what each setting does).
+# BatchNorm in training mode works on stacked buffers: each member updates the running
+# statistics in its own slice. We check them against each member run alone (BatchNorm comes
+# before dropout, so its statistics do not depend on the masks). The failing call runs on
+# copies of the buffers, and we check that it had updated them before dropout raised.
+def make_normed_member(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(128, 10),
+    ).to(device)  # fmt: skip
+
+
+normed = [make_normed_member(seed) for seed in range(len(members))]
+normed_params, normed_buffers = stack_module_state(normed)
+normed_template = copy.deepcopy(normed[0]).to("meta")
+
+
+def run_normed(params, buffers, x):
+    return functional_call(normed_template, (params, buffers), (x,))
+
+
+spare_buffers = {name: b.clone() for name, b in normed_buffers.items()}
+try:
+    vmap(run_normed)(normed_params, spare_buffers, own_batches)
+    raise AssertionError("dropout ran under vmap without randomness=")
+except RuntimeError as error:
+    assert "random operation while in randomness error mode" in str(error), error
+    print(f"RuntimeError: {str(error).split('.')[0]}")
+changed = [n for n, b in spare_buffers.items() if not torch.equal(b, normed_buffers[n])]
+assert changed, "the failing call left the buffers as they were"
+vmap(run_normed, randomness="different")(normed_params, normed_buffers, own_batches)
+stat_errors = []
+for index, (member, x) in enumerate(zip(normed, own_batches)):
+    member(x)  # training mode: updates its own running statistics
+    for name, alone in member.named_buffers():
+        if alone.is_floating_point():
+            stat_errors.append(relative_error(normed_buffers[name][index], alone))
+        else:  # num_batches_tracked
+            assert normed_buffers[name][index] == alone == 1, (name, alone)
+print(
+    f"BatchNorm running statistics, member by member: worst error {max(stat_errors):.1e}"
+)
+assert max(stat_errors) < 1e-6, f"running statistics: error {max(stat_errors):.1e}"
+
+# %%
 # How fast is it?
 # ---------------
 # For N = 1 to 32 members, we time the loop and the stacked call in both cases, without autograd
-# (inference only). :class:`torch.utils.benchmark.Timer` repeats each call in blocks and reports
-# the median and the interquartile range (IQR) over them.
+# (inference only). :class:`torch.utils.benchmark.Timer` repeats each call in blocks, at least
+# five, and reports the median and the interquartile range (IQR) over them.
 member_counts = [1, 2, 4, 8, 16, 32]
 speedups = {"same minibatch": [], "own minibatches": []}
 times_ms = {"loop": [], "vmap": []}  # same minibatch, for the second panel
@@ -174,7 +266,13 @@ def median_and_iqr_ms(fn):
     n_threads = torch.get_num_threads()
     call_timer = benchmark.Timer("call()", globals={"call": fn}, num_threads=n_threads)
     measurement = call_timer.blocked_autorange(min_run_time=0.15)
-    return measurement.median * 1e3, measurement.iqr * 1e3
+    # A slow machine fills fewer blocks: add blocks of one call, up to five.
+    while len(measurement.times) < 5:
+        more = call_timer.timeit(1)
+        measurement = benchmark.Measurement.merge([measurement, more])[0]
+    iqr_ms = measurement.iqr * 1e3  # two significant digits for a small spread
+    iqr_text = f"{iqr_ms:.2f}" if iqr_ms >= 0.1 else f"{iqr_ms:.2g}"
+    return measurement.median * 1e3, iqr_text, len(measurement.times)
 
 
 with torch.set_grad_enabled(False):
@@ -190,26 +288,38 @@ with torch.set_grad_enabled(False):
         }
         ms = {}
         for name, fn in calls.items():
-            ms[name], iqr = median_and_iqr_ms(fn)
-            print(f"N={count:2d} {name:10s} {ms[name]:7.2f} ms (IQR {iqr:.2f} ms)")
+            ms[name], iqr, blocks = median_and_iqr_ms(fn)
+            print(f"N={count:2d} {name:10s} {ms[name]:7.3f} ms "
+                  f"(IQR {iqr} ms, {blocks} blocks)")  # fmt: skip
         speedups["same minibatch"].append(ms["loop, same"] / ms["vmap, same"])
         speedups["own minibatches"].append(ms["loop, own"] / ms["vmap, own"])
         times_ms["loop"].append(ms["loop, same"])
         times_ms["vmap"].append(ms["vmap, same"])
+print("the loop's time divided by vmap's (above 1: vmap was faster):")
 for case, values in speedups.items():
     print(
-        f"{case:16s}"
+        f"  {case:16s}"
         + "".join(f"  N={n}: {s:.2f}x" for n, s in zip(member_counts, values))
+    )
+    # the smallest N from which vmap was faster at every larger N, on this run
+    ahead = [n for i, n in enumerate(member_counts) if min(values[i:]) > 1]
+    print(
+        f"    on this run vmap was faster from N={ahead[0]} up"
+        if ahead
+        else f"    on this run the loop was as fast or faster at N={member_counts[-1]}"
     )
 
 
 # %%
 # Where a loop can win: small N
 # ------------------------------
-# Both ways do the same arithmetic: ``torch.utils.flop_counter.FlopCounterMode`` counts
-# the FLOPs of each. What differs is how many operations PyTorch dispatches, which a small
-# dispatch mode counts. Each operation has a fixed price (Python, the dispatcher, on a GPU a
-# kernel launch) on top of its arithmetic.
+# Both ways do the same matrix products: ``torch.utils.flop_counter.FlopCounterMode`` counts
+# their FLOPs (it has no formula for elementwise operations such as the bias additions and the
+# ReLUs). What differs is how many operations PyTorch dispatches, which a small dispatch mode
+# counts. Each operation has a fixed price (Python, the dispatcher, on a GPU a kernel launch) on
+# top of its arithmetic. Both tools are first checked on one member, whose answer is known:
+# three linear layers are three ``t`` (a transposing view) and three ``addmm``, plus two
+# ``relu``, and ``2 · batch · (64·128 + 128·128 + 128·10)`` FLOPs.
 class CountOps(TorchDispatchMode):
     """Counts the operations that reach PyTorch's kernels, by name."""
 
@@ -228,6 +338,9 @@ def ops_and_flops(fn):
     return ops.names, flops.get_total_flops()
 
 
+one_member_ops, one_member_flops = ops_and_flops(lambda: members[0](same_batch))
+assert one_member_ops == Counter(t=3, addmm=3, relu=2), one_member_ops
+assert one_member_flops == 2 * batch_size * (64 * 128 + 128 * 128 + 128 * 10)
 vmap_ops_by_count = {}
 for count in [1, member_counts[-1]]:
     group = make_members(count)
@@ -240,7 +353,7 @@ for count in [1, member_counts[-1]]:
         f"N={count:2d}: loop {loop_ops.total():4d} ops, vmap {vmap_ops.total():4d} ops;",
         end=" ",
     )
-    print(f"FLOPs {loop_flops / 1e6:.1f} M each way")
+    print(f"matrix-product FLOPs {loop_flops / 1e6:.1f} M each way")
     assert loop_flops == vmap_flops, (loop_flops, vmap_flops)
     vmap_ops_by_count[count] = vmap_ops
 assert vmap_ops_by_count[1] == vmap_ops_by_count[member_counts[-1]]
@@ -248,15 +361,16 @@ print("loop's ops at N=32:", dict(loop_ops.most_common()))
 print("vmap's ops, the same at N=1 and N=32:", dict(vmap_ops.most_common()))
 
 # %%
-# The loop dispatches the same few operations per member (one fused matrix product with bias per
-# linear layer), so its count grows with N. The stacked call dispatches a fixed number, but more
-# than one member needs: each linear layer becomes views, a batched matrix product and a separate
-# bias addition. So at N=1 the stacked call pays for more operations doing the same arithmetic,
-# plus probably some Python work of ``functional_call`` and ``vmap``, so the loop can be faster
-# there (the timings below say whether it was, on this run). As N grows, the loop pays N fixed
-# prices where the stacked call pays one. Where the break-even falls depends on how long each
-# operation's arithmetic takes against its fixed price; the left panel shows both times, the right
-# one their ratio.
+# The loop dispatches the same few operations per member (a transposing view and one fused
+# matrix product with bias per linear layer), so its count grows with N. The stacked call
+# dispatches a fixed number, but more than one member needs: each linear layer becomes views
+# (which compute nothing), a batched matrix product, a multiplication of the bias by
+# ``addmm``'s scale β = 1, and a separate bias addition. So at N=1 the stacked call pays for
+# more operations doing the same matrix products, plus probably some Python work of
+# ``functional_call`` and ``vmap``, so the loop can be faster there (the timings above say
+# whether it was, on this run). As N grows, the loop pays N fixed prices where the stacked call
+# pays one. Where the break-even falls depends on how long each operation's arithmetic takes
+# against its fixed price; the left panel shows both times, the right one their ratio.
 fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
 for method in ["loop", "vmap"]:
     ax_time.plot(member_counts, times_ms[method], marker="o", color=METHOD_COLORS[method],
@@ -269,7 +383,7 @@ for case, style in [("same minibatch", "-"), ("own minibatches", "--")]:
                   color=METHOD_COLORS["vmap"], label=case)  # fmt: skip
 ax_speed.axhline(1, color="black", linestyle=":", linewidth=1)
 ax_speed.set_ylabel("loop time / vmap time")
-ax_speed.set_title("Speed-up of vmap (below 1: the loop wins)")
+ax_speed.set_title("Loop time / vmap time (above 1: vmap is faster)")
 ax_speed.legend()
 for ax in (ax_time, ax_speed):
     ax.set_xscale("log", base=2)
@@ -285,8 +399,11 @@ plt.show()
 #   ``vmap(functional_call(...), in_dims=(0, 0, None))`` for a shared minibatch or ``(0, 0, 0)``
 #   for one minibatch per member.
 # - Train the stacked weights with one optimiser on the *sum* of the members' losses: Adam's
-#   element-wise state is then one state per member.
-# - Both ways do the same FLOPs. The loop dispatches its operations once per member, the
-#   stacked call a fixed, larger set once: it needs enough members to pay off, so read the
-#   break-even for your hardware off a timing over N.
-# - Check each member on its own against the member run alone.
+#   element-wise state is then one state per member. Clip each member's gradient norm from its
+#   own slices: ``clip_grad_norm_`` over the stack couples the members.
+# - Dropout needs ``randomness="different"`` under ``vmap``; BatchNorm's running statistics
+#   update per member in the stacked buffers.
+# - Both ways do the same matrix products. The loop dispatches its operations once per member,
+#   the stacked call a fixed, larger set once: it needs enough members to pay off, so read the
+#   break-even for your hardware off a timing over N, and check each member on its own against
+#   the member run alone.

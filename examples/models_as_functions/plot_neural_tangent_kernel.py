@@ -5,22 +5,26 @@ The empirical neural tangent kernel of a small CNN
 The empirical neural tangent kernel (NTK) of a network compares two inputs through its
 parameters: ``Θ(x₁, x₂) = J(x₁) J(x₂)ᵀ``, with ``J(x)`` the Jacobian of the outputs with respect
 to all P parameters. It says how a gradient step on one input moves the outputs on another.
-This page computes it for a small CNN by contracting per-sample Jacobians and by NTK-vector
-products (``vjp`` then ``jvp``), full, trace and diagonal, checks every entry against float64
-loop Jacobians, and measures when the products save memory. Bounding the memory of Jacobians
-is on :ref:`sphx_glr_auto_examples_models_as_functions_plot_memory_control.py`.
+This page computes it for a small CNN by contracting per-sample Jacobians (the full kernel, its
+trace or its diagonal) and by NTK-vector products (``vjp`` then ``jvp``, the full kernel),
+checks every entry against float64 loop Jacobians, and measures when the products save memory.
+Bounding the memory of Jacobians is on
+:ref:`sphx_glr_auto_examples_models_as_functions_plot_memory_control.py`.
 """
 
 # %%
 # The recipe: contract per-sample Jacobians
 # -----------------------------------------
-# ``jacrev`` builds a Jacobian row by row, one ``vjp`` per output; ``vmap`` over the images
-# gives each image's (10, p) Jacobian per parameter tensor. The kernel sums over the parameter
+# ``jacrev`` builds all rows of a Jacobian at once, by ``vmap`` of one ``vjp`` over the unit
+# vectors of the output; ``vmap`` over the images gives each image's (10, p) Jacobian per
+# parameter tensor. The kernel sums over the parameter
 # tensors the products of the two sides' Jacobians. The einsum string picks the variant: the
 # **full** kernel (N₁, N₂, 10, 10), its **trace** (N₁, N₂), or its **diagonal** (N₁, N₂, 10).
 import copy
+import ctypes
 import gc
 import json
+import platform
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -90,7 +94,7 @@ def loop_jacobians(net, images):
 def check_entries(name, kernel, expected):
     scale = expected.abs().max().item()
     error = (kernel.double() - expected).abs().max().item() / scale
-    print(f"{name:34s} largest entry error / largest entry: {error:.1e}")
+    print(f"{name:38s} largest entry error / largest entry: {error:.1e} (bound 1e-05)")
     torch.testing.assert_close(kernel.double(), expected, rtol=0, atol=1e-5 * scale)
 
 
@@ -133,34 +137,38 @@ del CONTRACTIONS["slipped"]
 # ``Θ u = J₁ (J₂ᵀ u)``: a ``vjp`` on batch 2, then a ``jvp`` on batch 1. One such product
 # holds no Jacobian. The whole kernel needs every unit vector ``u``, ``N₂·10`` of them, and
 # then it does hold one: ``vmap(vjp_fn)`` over all unit vectors *is* ``J₂ᵀ``, ``N₂·10``
-# parameter-sized vectors, and ``vmap`` over the ``jvp`` pushes all of them through batch 1 at
-# once, so it holds ``N₂·10`` copies of batch 1's tangent activations. Both claims are checked
-# below, the first against the loop Jacobians of batch 2.
-def ntk_by_products(net, params, images_1, images_2, keep_pulled_back=None):
-    def outputs(images):
-        return lambda p: functional_call(net, p, (images,))
+# parameter-sized rows, checked here against the loop Jacobians of batch 2. ``vmap`` over the
+# ``jvp`` then pushes all those rows through batch 1 at once, so its tangent activations grow
+# with the number of rows; the memory section measures that.
+def pull_back(net, params, images):
+    """J(images)ᵀ as one parameter dict, N·10 rows per tensor: vmap of one vjp."""
+    _, vjp_fn = vjp(lambda p: functional_call(net, p, (images,)), params)
+    count = len(images) * 10
+    unit_vectors = torch.eye(count, device=images.device).view(count, -1, 10)
+    return vmap(vjp_fn)(unit_vectors)[0]
 
-    _, vjp_fn = vjp(outputs(images_2), params)
-    count = len(images_2) * 10
-    unit_vectors = torch.eye(count, device=images_2.device).view(count, -1, 10)
-    pulled_back = vmap(vjp_fn)(unit_vectors)[0]  # J₂ᵀ: one parameter dict per row
-    if keep_pulled_back is not None:
-        keep_pulled_back.update(pulled_back)
 
-    def push_forward(tangent):
-        return jvp(outputs(images_1), (params,), (tangent,))[1]
+def push_forward(net, params, images, rows):
+    """J(images) t for every row t of ``rows``, all at once: vmap of one jvp."""
 
-    products = vmap(push_forward)(pulled_back)  # (N₂·10, N₁, 10)
+    def one_row(tangent):
+        outputs = partial(functional_call, net, args=(images,))
+        return jvp(outputs, (params,), (tangent,))[1]
+
+    return vmap(one_row)(rows)  # (rows, N, 10)
+
+
+def ntk_by_products(net, params, images_1, images_2):
+    products = push_forward(net, params, images_1, pull_back(net, params, images_2))
     return products.view(len(images_2), 10, len(images_1), 10).permute(2, 0, 3, 1)
 
 
-pulled_back = {}
-kernel_by_products = ntk_by_products(model, params, images_1, images_2, pulled_back)
-check_entries("ntk-vector products, full", kernel_by_products, reference)
+check_entries("ntk-vector products, full",
+              ntk_by_products(model, params, images_1, images_2), reference)  # fmt: skip
+pulled_back = pull_back(model, params, images_2)
 stacked_rows = torch.cat([g.flatten(start_dim=1) for g in pulled_back.values()], dim=1)
-torch.testing.assert_close(stacked_rows.double(), loop_jacobians(model, images_2).flatten(0, 1),
-                           rtol=1e-5, atol=1e-6)  # fmt: skip
-print(f"vmap(vjp_fn) over the unit vectors is J₂ᵀ: {tuple(stacked_rows.shape)} numbers")
+check_entries("vmap(vjp_fn) over unit vectors = J₂ᵀ", stacked_rows,
+              loop_jacobians(model, images_2).flatten(0, 1))  # fmt: skip
 
 # %%
 # One product, ``Θ u``, for a random ``u``, against the reference kernel applied to ``u``:
@@ -196,12 +204,24 @@ plt.show()
 # %%
 # How fast is it, and how much memory does it take?
 # -------------------------------------------------
-# We time the full kernel both ways with :class:`torch.utils.benchmark.Timer` and measure each
-# call's peak memory above what was live before: on a GPU from the CUDA allocator's counters,
-# on a CPU from :class:`torch.profiler.profile`, which records every allocation and the total
-# allocated after it, counted from the call's first allocation. Batch 1 has 8 images; batch 2,
-# the one the products pull back, has 8 or 1. As the width grows, P grows with its square (the
-# second convolution) and the activations in proportion to it.
+# We time the full kernel both ways with :class:`torch.utils.benchmark.Timer`, over at least
+# five blocks each (median and IQR over the blocks), and measure each call's peak memory above
+# what was live before: on a GPU from the CUDA allocator's counters, on a CPU from
+# :class:`torch.profiler.profile`, which records every allocation and the total allocated after
+# it, counted from the call's first allocation. Batch 1 has 8 images; batch 2, the one the
+# products pull back, has 8 or 1. As the width grows, P grows faster than it, towards its
+# square as the second convolution's weights take over, and the activations in proportion to it.
+#
+# Each call allocates and frees up to tens of MiB. On Linux with glibc we first ask ``malloc``
+# to keep freed memory for reuse, so that a call's time does not depend on what ran before it
+# in the same process (:doc:`/reading-timings` says why).
+if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    libc = ctypes.CDLL(None)
+    M_MMAP_MAX, M_TRIM_THRESHOLD = -4, -1  # glibc's <malloc.h>
+    for option, value in [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)]:
+        assert libc.mallopt(option, value), option
+
+
 def peak_mib(fn):
     gc.collect()
     if torch.cuda.is_available():
@@ -222,6 +242,21 @@ def peak_mib(fn):
     return (max(a["Total Allocated"] for a in allocations) - start) / 2**20
 
 
+def time_and_peak(call):
+    timer = benchmark.Timer(stmt="call()", globals={"call": call},
+                            num_threads=torch.get_num_threads())  # fmt: skip
+    times = timer.blocked_autorange(min_run_time=0.3)
+    while len(times.times) < 5:  # a slow call fills few blocks: add blocks of one call
+        times = benchmark.Measurement.merge([times, timer.timeit(1)])[0]
+    return times, peak_mib(call)
+
+
+def ms(times):
+    iqr = times.iqr * 1e3  # in ms: one decimal, or two significant digits below 0.1 ms
+    spread = f"{iqr:.1f}" if iqr >= 0.1 else f"{iqr:.2g}"
+    return f"{times.median * 1e3:6.1f} ms (IQR {spread} ms, {len(times.times)} blocks)"
+
+
 METHODS = {"jacrev": ntk_by_contraction, "ntk-vector products": ntk_by_products}
 METHOD_COLORS = {"jacrev": "#0072B2", "ntk-vector products": "#5D69B1"}
 widths, sweep = [8, 16, 32], []
@@ -235,48 +270,61 @@ for batch_2_size in [8, 1]:
         row = {"N₂": batch_2_size, "P": num_params}
         for method, ntk in METHODS.items():
             call = partial(ntk, net, net_params, sweep_images_1, sweep_images_2)
-            timer = benchmark.Timer(stmt="call()", globals={"call": call},
-                                    num_threads=torch.get_num_threads())  # fmt: skip
-            row[method] = (timer.blocked_autorange(min_run_time=0.2), peak_mib(call))
+            row[method] = time_and_peak(call)
         (jac_time, jac_mib), (ntk_time, ntk_mib) = (
             row["jacrev"],
             row["ntk-vector products"],
         )
-        print(f"N₂={batch_2_size} P={num_params:6,}: jacrev {jac_time.median * 1e3:6.1f} ms "
-              f"(IQR {jac_time.iqr * 1e3:4.1f} ms) {jac_mib:5.1f} MiB | ntk-vector products "
-              f"{ntk_time.median * 1e3:6.1f} ms (IQR {ntk_time.iqr * 1e3:4.1f} ms) "
-              f"{ntk_mib:5.1f} MiB -> time {ntk_time.median / jac_time.median:.2f}x, "
-              f"memory {ntk_mib / jac_mib:.2f}x")  # fmt: skip
         jacobian_2_mib = batch_2_size * 10 * num_params * 4 / 2**20
-        assert ntk_mib >= jacobian_2_mib, "the products held less than J₂ itself"
+        print(f"N₂={batch_2_size} P={num_params:6,}: jacrev {ms(jac_time)} {jac_mib:5.1f} MiB"
+              f" | products {ms(ntk_time)} {ntk_mib:5.1f} MiB (J₂: {jacobian_2_mib:4.1f} MiB)\n"
+              f"    the products take {ntk_time.median / jac_time.median:.2f}x the time and "
+              f"{ntk_mib / jac_mib:.2f}x the memory of jacrev")  # fmt: skip
         sweep.append(row)
 
 # %%
-# Each product run holds at least ``J₂`` (asserted above: its peak is at least the
-# ``N₂·10·P`` floats of ``J₂``), so with ``N₂ = N₁`` it saves nothing on the Jacobians, and the
-# tangent activations of batch 1 come on top. When batch 2 is small, the products hold one
-# small Jacobian and the contraction still holds batch 1's. The memory ratio drops as batch 2
-# shrinks at every width; we assert it, and that the products take less memory than the
-# contraction with one image in batch 2 at the widest network. So: pull back the *smaller*
+# The products build ``J₂`` (its size is printed beside their peak) and then push all its
+# ``N₂·10`` rows through batch 1 at once; the contraction builds both batches' Jacobians. On the
+# widest network, with 8 images in batch 2, we measure the push-forward alone (``J₂ᵀ`` computed
+# beforehand, so not counted) with all 80 rows and with the first 10. If every row's tangent
+# activations are held at once, the peak grows with the rows.
+rows = pull_back(net, net_params, sweep_images_1)
+push_peak = {}
+for count in (10, 80):
+    first_rows = {name: r[:count] for name, r in rows.items()}
+    push_peak[count] = peak_mib(
+        partial(push_forward, net, net_params, sweep_images_1, first_rows)
+    )
+print(f"pushing rows through batch 1: {push_peak[10]:.1f} MiB for 10 rows, "
+      f"{push_peak[80]:.1f} MiB for 80 ({push_peak[80] / push_peak[10]:.2f}x)")  # fmt: skip
+assert push_peak[80] > 5 * push_peak[10], "the push-forward held fewer rows at once"
+
+# %%
+# So with ``N₂ = N₁`` the products save nothing on the Jacobians, and the tangent activations
+# of batch 1 come on top. When batch 2 is small, the products hold one small Jacobian and the
+# contraction still holds batch 1's. We assert, at every width, that the products take more
+# memory than the contraction with 8 images in batch 2, and that the ratio drops with one image;
+# and that with one image they take less at the widest network. So: pull back the *smaller*
 # batch (swap the roles and transpose the kernel if need be).
 memory_ratio = {
     (r["N₂"], r["P"]): r["ntk-vector products"][1] / r["jacrev"][1] for r in sweep
 }
-for num_params in {r["P"] for r in sweep}:
-    assert memory_ratio[1, num_params] < memory_ratio[8, num_params], num_params
+for size in {r["P"] for r in sweep}:
+    assert memory_ratio[8, size] > 1, size
+    assert memory_ratio[1, size] < memory_ratio[8, size], size
 assert memory_ratio[1, max(r["P"] for r in sweep)] < 1
 
 fig, (ax_time, ax_memory) = plt.subplots(1, 2, figsize=(9, 3.6), layout="constrained")
 for method, color in METHOD_COLORS.items():
     for batch_2_size, style in [(8, "-"), (1, "--")]:
-        rows = [r for r in sweep if r["N₂"] == batch_2_size]
+        rows_drawn = [r for r in sweep if r["N₂"] == batch_2_size]
         for ax, pick in [
             (ax_time, lambda m: m[0].median * 1e3),
             (ax_memory, lambda m: m[1]),
         ]:
-            ax.plot([r["P"] for r in rows], [pick(r[method]) for r in rows], style,
+            ax.plot([r["P"] for r in rows_drawn], [pick(r[method]) for r in rows_drawn], style,
                     marker="o", color=color, label=f"{method}, N₂ = {batch_2_size}")  # fmt: skip
-for ax, label in [(ax_time, "time (ms)"), (ax_memory, "peak memory (MiB)")]:
+for ax, label in [(ax_time, "median time (ms)"), (ax_memory, "peak memory (MiB)")]:
     ax.set(xscale="log", yscale="log", xlabel="parameters P", ylabel=label)
 ax_time.set_title("Full kernel, N₁ = 8: time")
 ax_memory.set_title("Full kernel, N₁ = 8: peak memory")
@@ -291,7 +339,8 @@ plt.show()
 # iteration for its top eigenvalue) needs ``Θ u`` for one ``u`` at a time. Then one ``vjp`` and
 # one ``jvp`` replace both Jacobians. We compare its peak memory and time with forming the
 # kernel by contraction and multiplying, on the widest network, with 8 images on each side.
-# (The product was checked entry by entry above.)
+# (The product was checked entry by entry above.) Its peak must stay below the size of one
+# batch's Jacobian, ``8·10·P`` floats.
 def kernel_then_multiply():
     kernel = ntk_by_contraction(net, net_params, sweep_images_1, sweep_images_1)
     return torch.einsum("nmab,mb->na", kernel, u_wide)
@@ -308,18 +357,18 @@ torch.testing.assert_close(one_product["ntk-vector products"](), kernel_then_mul
                            rtol=1e-4, atol=1e-4 * u_wide.abs().max().item())  # fmt: skip
 measured = {}
 for method, call in one_product.items():
-    timer = benchmark.Timer(stmt="call()", globals={"call": call},
-                            num_threads=torch.get_num_threads())  # fmt: skip
-    measured[method] = (timer.blocked_autorange(min_run_time=0.2), peak_mib(call))
-    time, mib = measured[method]
-    print(f"Θ u by {method:19s}: {time.median * 1e3:6.1f} ms (IQR {time.iqr * 1e3:.1f} ms), "
-          f"peak {mib:6.2f} MiB")  # fmt: skip
+    measured[method] = time_and_peak(call)
+    print(f"Θ u by {method:19s}: {ms(measured[method][0])}, "
+          f"peak {measured[method][1]:6.2f} MiB")  # fmt: skip
 (jac_time, jac_mib), (ntk_time, ntk_mib) = measured.values()
+widest_p = sum(p.numel() for p in net_params.values())
+batch_jacobian_mib = len(sweep_images_1) * 10 * widest_p * 4 / 2**20
 print(
     f"one product takes {ntk_mib / jac_mib:.3f}x the memory and "
-    f"{ntk_time.median / jac_time.median:.2f}x the time of the kernel route"
+    f"{ntk_time.median / jac_time.median:.2f}x the time of the kernel route; "
+    f"one batch's Jacobian is {batch_jacobian_mib:.2f} MiB"
 )
-assert ntk_mib < jac_mib / 4, "one NTK-vector product should hold no Jacobian"
+assert ntk_mib < batch_jacobian_mib, "one NTK-vector product held a batch's Jacobian"
 
 # %%
 # What to remember
@@ -329,5 +378,6 @@ assert ntk_mib < jac_mib / 4, "one NTK-vector product should hold no Jacobian"
 # * Check a kernel entry by entry against float64 loop Jacobians: symmetry holds even when an
 #   index is wrong, and the entry check caught a slipped index here.
 # * The whole kernel by NTK-vector products holds ``J₂`` (``vmap(vjp_fn)`` over unit vectors is
-#   ``J₂ᵀ``) plus tangent activations of batch 1: it saved memory here only with a small batch 2.
+#   ``J₂ᵀ``) plus the tangent activations of all its rows at once: here it took less memory than
+#   the contraction with one image in batch 2, and more with eight.
 # * One ``Θ u`` is a ``vjp`` then a ``jvp`` and holds no Jacobian: use it in iterative solvers.
