@@ -3,7 +3,7 @@ Pitfalls: what goes wrong under ``torch.func``, and the fix
 ===========================================================
 
 Code that runs fine on its own can stop working under ``vmap`` or ``grad``, or worse, keep
-working and compute something else. This page runs twelve such cases, most of them reported in
+working and compute something else. This page runs twelve such cases, six of them reported in
 PyTorch's or functorch's issue trackers (a section names its source where it has one): the
 error, with its type and a stable part of its message checked, or the silently wrong result,
 measured; then the fix, asserted against an independent reference. One fix is timed last.
@@ -141,9 +141,9 @@ torch.testing.assert_close(centred, centred_loop)
 # %%
 # 4. Python side effects run once
 # -------------------------------
-# A counter, a print or an append in a mapped function happens once for the whole batch, and
-# adding into a tensor captured from outside (a running total) fails as in pitfall 1. The fix:
-# keep side effects out, return per-sample values, and reduce them outside.
+# A counter, a print or an append in a mapped function happens once for the whole batch;
+# adding in place into a captured tensor (a running total) raises, as a batch does not fit one
+# sample's shape. The fix: keep side effects out, return per-sample values, reduce outside.
 calls = []
 vmap(lambda x: calls.append(x.shape) or x * 2)(samples)
 print(f"vmap over {len(samples)} samples ran the Python body {len(calls)} time(s)")
@@ -195,7 +195,6 @@ for layer in (batch_norm, group_norm):
 
 
 def normalise_each_sample(t, eps=1e-5):
-    """Each sample and channel by its own mean and (biased) variance."""
     axes = tuple(range(2, t.dim()))
     mean = t.mean(axes, keepdim=True)
     return (t - mean) / (t.var(axes, unbiased=False, keepdim=True) + eps).sqrt()
@@ -288,9 +287,10 @@ for name, p in mlp.named_parameters():
 # 10. Operators without a batching rule: a slow loop, or an error
 # ---------------------------------------------------------------
 # (functorch#328, pytorch#105220.) An operator without a batching rule still runs under
-# ``vmap``: once per sample, in a loop, with a warning. :func:`torch.histc` is one in this
-# release. The fix is to use operators that have batching rules: here each value's bin index,
-# counted with ``scatter_add``. The reference is ``histc`` on each sample in a Python loop.
+# ``vmap``, once per sample in a loop, with a warning (its ``out=`` form and view operators
+# raise instead). :func:`torch.histc` is one in this release. The fix: operators with batching
+# rules, here each value's bin index counted with ``scatter_add``. The reference is ``histc``
+# on each sample in a Python loop.
 counts = torch.rand(2048, 64, device=device)  # many small samples
 
 
@@ -313,6 +313,8 @@ print(f"UserWarning: {textwrap.shorten(str(warning.message), width=300)}")
 loop_hist = torch.stack([histc_per_sample(v) for v in counts])
 torch.testing.assert_close(fallback_hist, loop_hist)
 torch.testing.assert_close(batched_hist, loop_hist)
+histc_out = vmap(lambda v: torch.histc(v, 10, 0, 1, out=v.new_empty(10)))
+expect_error(lambda: histc_out(counts), RuntimeError, "out= or view ops")
 
 # %%
 # Operators whose output shape depends on the values (indexing with a boolean mask,
@@ -369,7 +371,8 @@ def sample_loss(params, x, y):
     return F.cross_entropy(logits, y.unsqueeze(0))
 
 
-compiled_grads = torch.compile(vmap(grad(sample_loss), in_dims=(None, 0, 0)))
+per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+compiled_grads = torch.compile(per_sample_grads, dynamic=True)
 start = time.perf_counter()
 compiled_result = compiled_grads(net_params, inputs, targets)
 print(f"first call (compiling), measured once: {time.perf_counter() - start:.1f} s")
@@ -387,10 +390,10 @@ for i, (name, result) in enumerate(compiled_result.items()):
 
 # %%
 # The graph holds for the shapes it was compiled for. A new batch size, such as a short last
-# batch, fails its guards, and dynamo compiles again (``error_on_recompile`` shows this
-# without the cost); after ``recompile_limit`` compilations of one function it runs new shapes
-# eagerly, with a logged warning. Padding the short batch to the compiled size avoids both:
-# a sample's gradient depends on that sample alone, so the padded rows are simply dropped.
+# batch, fails its guards even with ``dynamic=True``, and dynamo compiles again
+# (``error_on_recompile`` shows this without the cost); after ``recompile_limit`` compilations
+# of one function it runs new shapes eagerly, with a logged warning. Padding the short batch to
+# the compiled size avoids both: a sample's gradient depends on that sample alone.
 short_inputs, short_targets = inputs[:32], targets[:32]
 with torch._dynamo.config.patch(error_on_recompile=True):
     expect_error(
@@ -409,8 +412,8 @@ limit = torch._dynamo.config.recompile_limit
 print(f"padded to 64: no recompilation, same gradients; recompile_limit is {limit}")
 
 # %%
-# How slow is the fallback loop?
-# ------------------------------
+# Timing the fallback loop against the rewrite
+# --------------------------------------------
 # Pitfall 10's fallback loop against the batched rewrite, by :class:`torch.utils.benchmark.Timer`
 # on all threads after a warm-up: median, interquartile range (IQR) and blocks measured.
 hist_times, threads = {}, torch.get_num_threads()
@@ -421,19 +424,16 @@ for method, fn in [("loop", vmap(histc_per_sample)), ("vmap", vmap(histogram))]:
         m = hist_times[method] = timer.blocked_autorange(min_run_time=0.5)
     n = len(m.times)
     spread = f"IQR {m.iqr * 1e3:.2g} ms, {n} blocks" if n > 1 else "measured once"
-    print(f"histogram, {method}: {m.median * 1e3:.3g} ms ({spread})")
+    print(f"histogram, {method}: {m.median * 1e3:.3g} ms ({spread}, {threads} threads)")
 ratio = hist_times["vmap"].median / hist_times["loop"].median
-if ratio < 1:
-    print(f"the batched histogram is {1 / ratio:.2f}x faster than the fallback loop")
-else:
-    print(f"the batched histogram takes {ratio:.2f}x the time of the fallback loop")
+words = "takes {:.2f}x the time of" if ratio >= 1 else "is {:.2f}x faster than"
+print("the batched histogram", words.format(max(ratio, 1 / ratio)), "the fallback loop")
 
 METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73"}
 fig, ax = plt.subplots(figsize=(6, 1.8), layout="constrained")
 medians = [m.median * 1e3 for m in hist_times.values()]
 ax.barh(["loop (histc)", "scatter_add"], medians, color=list(METHOD_COLORS.values()))
-ax.set_xlabel("median time (ms)")
-ax.set_title(f"{len(counts)} histograms under vmap")
+ax.set(xlabel="median time (ms)", title=f"{len(counts)} histograms under vmap")
 plt.show()
 
 # %%
@@ -445,5 +445,6 @@ plt.show()
 #   instance normalisation in disguise.
 # * Match gradients to parameters by name, and mind the loss reduction: a mean scales each
 #   per-sample gradient by 1/B.
-# * A slow-fallback warning names the operator to rewrite with batched operators.
+# * A performance-drop warning names an operator that ``vmap`` runs in a loop: rewrite it with
+#   batched operators, and time the rewrite against the loop.
 # * Compile around the transforms, not inside them, and keep the batch shape fixed.
