@@ -2,12 +2,11 @@
 From functorch to ``torch.func``
 ================================
 
-``functorch`` was the library in which PyTorch's function transforms grew up; since PyTorch
-2.0 they live in :mod:`torch.func`. This page runs the functorch names most often found in
-older code (torch 2.13 still ships ``functorch``; most names warn that they are deprecated,
-some do not) and gives each its ``torch.func`` replacement, checked against a reference that
-uses neither: a closed form, each module run alone, the eager function, or the traced graph.
-``functorch.compile``'s ``aot_module`` and ``memory_efficient_fusion`` are not run here.
+PyTorch's function transforms grew up in ``functorch``; since PyTorch 2.0 they live in
+:mod:`torch.func`. This page runs the functorch names most often found in older code (torch
+2.13 still ships them; most warn, some do not) and gives each its ``torch.func`` replacement,
+checked against a reference that uses neither: a closed form, each module run alone, the eager
+function, or the traced graph.
 """
 
 # %%
@@ -209,10 +208,10 @@ print(f"stack_module_state: {len(members)} models in one call, each as if run al
 # ``torch.vmap``, the name the warning gives), with the same arguments. The old names are thin
 # wrappers that warn and call the new ones (``torch/_functorch/deprecated.py``), so their
 # results are bitwise equal (asserted to record it; closed forms check the numbers).
-# ``functorch.experimental.chunk_vmap(f, chunks=n)``, which does not warn, becomes ``vmap``
-# with ``chunk_size``. ``grad_and_value`` returns the value with the gradient, from one
-# forward pass; for ``L(w) = Σ softplus(X w)`` the gradient is ``Xᵀ sigmoid(X w)``. The
-# value's bound, four float32 epsilons, is checked on the worst of 300 draws of ``w``.
+# ``functorch.experimental.chunk_vmap(f, chunks=n)`` (no warning) becomes ``vmap`` with
+# ``chunk_size = ceil(B / n)``: n counts pieces, not rows. ``grad_and_value`` returns the value
+# with the gradient, from one forward pass; for ``L(w) = Σ softplus(X w)`` the gradient is
+# ``Xᵀ sigmoid(X w)``. The value's bound, four float32 epsilons, holds on the worst of 300 draws.
 def softplus_loss(w):
     return F.softplus(inputs @ w).sum()
 
@@ -245,10 +244,11 @@ rows_reference = torch.sigmoid(weight_rows.double() @ x64.T) @ x64
 rows_error = ((new_rows - rows_reference).norm() / rows_reference.norm()).item()
 print(f"vmap(grad): relative error {rows_error:.1e} (bound 1e-6)")
 assert rows_error < 1e-6
-chunk_vmap = functorch.experimental.chunk_vmap
-old_chunks = old_code(lambda: chunk_vmap(grad(softplus_loss), chunks=2)(weight_rows))
-torch.testing.assert_close(old_chunks, new_rows)
-new_chunks = vmap(grad(softplus_loss), chunk_size=2)(weight_rows)
+chunk_vmap, calls = functorch.experimental.chunk_vmap, []  # one call per chunk
+counted = lambda w: calls.append(1) or grad(softplus_loss)(w)  # noqa: E731
+old_chunks = old_code(lambda: chunk_vmap(counted, chunks=3)(weight_rows))
+new_chunks = vmap(counted, chunk_size=-(-len(weight_rows) // 3))(weight_rows)
+assert len(calls) == 6 and torch.equal(old_chunks, new_chunks), calls  # 3 chunks each
 torch.testing.assert_close(new_chunks, new_rows)
 
 
@@ -333,7 +333,7 @@ assert slope_error < 1e-6
 
 # %%
 # **After**: ``torch.compile(fn)`` does the tracing, the backward graph and the code
-# generation, and compiles around the transforms, not inside them (pitfall 12 of
+# generation; call it around the transforms, not inside them (pitfall 12 of
 # :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`). Checked here on the forward pass.
 new_compiled = torch.compile(smooth)
 torch.testing.assert_close(new_compiled(points.detach()), smooth(points.detach()))

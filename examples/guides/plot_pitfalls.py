@@ -117,12 +117,13 @@ torch.testing.assert_close(with_cond, reference)
 print("torch.where and torch.cond agree with a Python loop over samples")
 
 # %%
-# Leaving torch fails too: under ``vmap``, ``.tolist()`` (or ``.numpy()``) finds no memory to
-# read; under ``grad``, ``.numpy()`` refuses (``.detach()`` would silence it, dropping the
-# derivative). Stay with torch operators, or give NumPy code its own derivatives and batching
-# rule: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
+# Leaving torch fails too: under ``vmap``, ``.tolist()`` or ``.numpy()`` finds no memory to read;
+# under ``grad``, so does ``.detach().numpy()``, whatever the message suggests. Stay with torch,
+# or give NumPy its own rules: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
 expect_error(lambda: vmap(lambda x: x.tolist())(samples), RuntimeError, "storage")
 expect_error(lambda: grad(lambda x: x.numpy())(samples[0]), RuntimeError, "numpy()")
+detached = lambda x: torch.as_tensor(x.detach().numpy()).sum() + x.sum()  # noqa: E731
+expect_error(lambda: grad(detached)(samples[0]), RuntimeError, "doesn't have storage")
 
 # %%
 # 3. A reduction over "the batch axis" reduces something else
@@ -158,13 +159,12 @@ assert positive.tolist() == [int(x.sum() > 0) for x in samples]
 # -------------
 # (torch.func's UX-limitations page.) ``vmap`` refuses random operations such as dropout by
 # default: should each sample get its own draw, or share one? Say which with ``randomness=``.
-expect_error(
-    lambda: vmap(lambda x: F.dropout(x, 0.5))(samples), RuntimeError, "randomness"
-)
-ones = torch.ones(64, 16, device=device)
+dropout = lambda x: F.dropout(x, 0.5)  # noqa: E731
+expect_error(lambda: vmap(dropout)(samples), RuntimeError, "randomness")
+ones = torch.ones(64, 16, device=device)  # a mask drops to 0 or scales by 1/(1-p) = 2
 different = vmap(lambda x: F.dropout(x, 0.5), randomness="different")(ones)
 same = vmap(lambda x: F.dropout(x, 0.5), randomness="same")(ones)
-assert set(different.unique().tolist()) == {0.0, 2.0}  # dropped, or scaled by 1/(1-p)
+assert {0.0, 2.0} == set(different.unique().tolist()) == set(same.unique().tolist())
 assert (same == same[0]).all() and not (different == different[0]).all()
 print("randomness='same': one mask for all samples; 'different': a mask per sample")
 
@@ -389,11 +389,11 @@ for i, (name, result) in enumerate(compiled_result.items()):
     assert error < 2e-6, name
 
 # %%
-# The graph holds for the shapes it was compiled for. A new batch size, such as a short last
-# batch, fails its guards even with ``dynamic=True``, and dynamo compiles again
-# (``error_on_recompile`` shows this without the cost); after ``recompile_limit`` compilations
-# of one function it runs new shapes eagerly, with a logged warning. Padding the short batch to
-# the compiled size avoids both: a sample's gradient depends on that sample alone.
+# The graph holds for the shapes it was compiled for. Here a short last batch fails its guards
+# even with ``dynamic=True`` (probably the indexing by integer targets in ``cross_entropy``
+# under ``vmap``; a loss without it need not), and dynamo compiles again (``error_on_recompile``
+# shows it without the cost); past ``recompile_limit`` it runs new shapes eagerly. Padding the
+# short batch avoids both: a sample's gradient depends on that sample alone.
 short_inputs, short_targets = inputs[:32], targets[:32]
 with torch._dynamo.config.patch(error_on_recompile=True):
     expect_error(
@@ -447,4 +447,4 @@ plt.show()
 #   per-sample gradient by 1/B.
 # * A performance-drop warning names an operator that ``vmap`` runs in a loop: rewrite it with
 #   batched operators, and time the rewrite against the loop.
-# * Compile around the transforms, not inside them, and keep the batch shape fixed.
+# * Compile around the transforms, not inside them; pad a short batch if it recompiles.
