@@ -276,13 +276,13 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
 # %%
 # How fast is each?
 # -----------------
-# Four ways to run each recipe: PyTorch eager, :func:`torch.compile` of the same function, JAX
-# op by op (no ``jax.jit`` of ours), and ``jax.jit``, to which every array goes as an argument:
-# one captured from the enclosing scope would be a constant of the program, which XLA may fold.
-# A compiled function's first call compiles it (timed once), checked against the uncompiled
-# one. :class:`torch.utils.benchmark.Timer` times every call, the JAX ones with
-# ``jax.block_until_ready``, as JAX returns before its work is done; its ``num_threads`` sets
-# torch's threads, not XLA's own pool. The first row, ``x + 1``, is a call with next to no work.
+# Four ways to run each recipe: PyTorch eager, :func:`torch.compile` of it, JAX op by op, and
+# ``jax.jit``, given every array as an argument (one captured from the enclosing scope would be
+# a constant of the program, which XLA may fold). A compiled function's first call compiles it
+# (timed once), checked against the uncompiled one. :class:`torch.utils.benchmark.Timer` times
+# every call, the JAX ones with ``jax.block_until_ready`` (JAX returns before its work is done;
+# that extra call, on JAX's side only, could matter in the first row alone: ``x + 1``, a call
+# with next to no work); ``num_threads`` sets torch's threads, not XLA's own pool.
 METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733",
                  "JAX": "#EE7733", "JAX jit": "#DDAA33"}  # fmt: skip
 LABELS = {**{m: m for m in METHOD_COLORS}, "compiled": "torch compiled"}
@@ -330,15 +330,15 @@ def measure(call):  # blocks of calls for 0.1 s, and at least 5 blocks
     return Measurement.merge(blocks)[0]
 
 
-torch._dynamo.reset()  # compile afresh; below, one graph each: no break, no recompiling
-graphs = counters["stats"]["unique_graphs"]
-runs = {recipe: four_calls(*recipe_args) for recipe, recipe_args in timed.items()}
-timings = {}
-for recipe, (calls, _) in runs.items():
+torch._dynamo.reset()  # compile afresh; below, one graph per recipe: no break, no recompiling
+runs, timings = {}, {}
+for recipe, recipe_args in timed.items():
+    graphs = counters["stats"]["unique_graphs"]
+    calls, _ = runs[recipe] = four_calls(*recipe_args)
     t = timings[recipe] = {method: measure(call) for method, call in calls.items()}
+    assert counters["stats"]["unique_graphs"] == graphs + 1, f"{recipe}: not one graph"
     print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {three(t[m].median * 1e3)} ms"
           for m in t) + f" (IQR {', '.join(three(t[m].iqr * 1e3) for m in t)} ms)")  # fmt: skip
-assert counters["stats"]["unique_graphs"] - graphs == len(timed)  # one each: no break
 blocks = min(len(m.times) for t in timings.values() for m in t.values())
 print(f"each time above is the median of {blocks} or more blocks of calls")
 for recipe, (_, (torch_s, jax_s)) in runs.items():
@@ -369,10 +369,11 @@ plt.show()
 # -----------------------
 # Two counts, by tools first checked on a call whose answer is known: the *Python calls* of one
 # call, built-ins included, by ``cProfile``; the eager call's *matrix products*, recorded by a
-# ``TorchDispatchMode`` and run alone under the same timer (``FlopCounterMode`` must find all of
-# the call's FLOPs in them). No count of operations run: a dispatch mode also sees views, which
-# compute nothing, and JAX runs ``jnp.matmul``, ``jnp.tanh`` and others as compiled programs.
+# ``TorchDispatchMode`` and run alone under the same timer (``FlopCounterMode`` must find all
+# the call's FLOPs in them, and no other matrix operation, some without a FLOP formula, may
+# run). Not all operations: a dispatch mode sees views too, and JAX compiles each operation.
 PRODUCTS = {getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "bmm")}
+OTHERS = {getattr(torch.ops.aten, n) for n in ("mv", "dot", "addmv", "baddbmm")}
 
 
 class Record(TorchDispatchMode):  # every ATen operation dispatched, with its arguments
@@ -390,6 +391,8 @@ def products_alone(fn, *args):
     with FlopCounterMode(display=False) as whole, Record() as record:
         fn(*args)
     products = [op for op in record.ops if op[0] in PRODUCTS]
+    others = {str(op[0]) for op in record.ops if op[0].overloadpacket in OTHERS}
+    assert not others, f"matrix operations other than the products ran: {others}"
 
     def replay():
         return [f(*a, **k) for f, a, k in products]
@@ -416,23 +419,20 @@ for recipe, (calls, _) in runs.items():
     assert calls["JAX jit"] < calls["compiled"], recipe
 for recipe, (torch_fn, torch_args, *_) in recipes.items():
     replay, products, flops = products_alone(torch_fn, *torch_args)
-    calls = runs[recipe][0]  # timed again, beside the products alone
-    alone, eager, compiled = (measure(c).median for c in
-                              (replay, calls["torch eager"], calls["compiled"]))  # fmt: skip
+    eager = runs[recipe][0]["torch eager"]  # timed again, beside the products alone
+    share = measure(replay).median / measure(eager).median
     print(f"{recipe}: the eager call's {products} matrix products ({flops / 1e6:.2f} MFLOP)"
-          f" alone take {three(100 * alone / eager)}% of the time of torch eager timed beside"
-          f" them, {three(100 * alone / compiled)}% of torch compiled's")  # fmt: skip
+          f" alone take {three(100 * share)}% of torch eager's time, timed beside it")  # fmt: skip
 
 # %%
 # Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
 # interpreters written in Python, which every primitive passes through, so an op-by-op call
 # makes more Python calls than PyTorch's (asserted). ``torch.func`` does that work in C++ for
-# most operations; its Python calls come from its wrappers, the pytrees of parameters, the
-# module's ``forward`` and some operations' decompositions. That is probably much of the first
-# ratio. *Compiled against jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled
-# torch function many more (asserted), a cost the ``x + 1`` row times; the rest is the compiled
-# code's own work, of which the products run alone are a guide on the torch side (compiled code
-# calls the same library for some of them). Compiling is paid once, as printed.
+# most operations, its Python calls coming from wrappers, pytrees, the module's ``forward`` and
+# some decompositions: probably much of the first ratio, though not timed apart here.
+# *Compiled against jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled torch
+# function many more (asserted), a cost the ``x + 1`` row times; the rest is the compiled
+# code's own work, which these counts leave alone. Compiling is paid once, as printed.
 
 # %%
 # What to remember

@@ -2,15 +2,13 @@
 Forces, Hessians and Laplacians: derivatives with respect to inputs
 ===================================================================
 
-Scientific models differentiate with respect to their *inputs*. A force field needs forces,
-minus the gradient of an energy with respect to the atoms' positions, and often the Hessian of
-that energy (vibrations, saddle searches); a physics-informed network puts derivatives of its
-output with respect to its input coordinates, a Laplacian for instance, into its loss. On this
-page you compute forces and Hessians for a batch of Lennard-Jones clusters with ``vmap`` over
-``grad`` and ``hessian``, check them entry by entry against the closed-form pair force and its
-second derivative, then compute a Laplacian three ways (the trace of the Hessian, one
-Hessian-vector product per coordinate, and Hutchinson's random estimate), check each against a
-closed form, and measure what each costs as the number of inputs grows.
+Scientific models differentiate with respect to their *inputs*: a force field needs forces,
+minus the gradient of an energy with respect to the atoms' positions, and often the Hessian; a
+physics-informed network puts derivatives with respect to its input coordinates into its loss.
+Here you compute forces and Hessians for a batch of Lennard-Jones clusters with ``vmap`` over
+``grad`` and ``hessian``, check them entry by entry against closed forms, then compute a
+Laplacian three ways (the trace of the Hessian, one Hessian-vector product per coordinate,
+Hutchinson's random estimate), check each, and measure what each costs as inputs grow.
 """
 
 # %%
@@ -25,26 +23,22 @@ import torch
 from torch.func import grad, grad_and_value, hessian, jvp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.benchmark import Timer
+from torch.utils.benchmark import Measurement, Timer
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 torch.set_float32_matmul_precision("highest")
-METHOD_COLORS = {
-    "hessian": "#56B4E9",
-    "forward-over-reverse": "#EE3377",
-    "Hutchinson": "#AA3377",
-}
+METHOD_COLORS = {"hessian": "#56B4E9", "forward-over-reverse": "#EE3377",
+                 "Hutchinson": "#AA3377"}  # fmt: skip
 
 # %%
 # A Lennard-Jones cluster
 # -----------------------
 # Thirteen atoms interact through the pair potential ``V(r) = 4(r⁻¹² − r⁻⁶)`` (in units where
-# the well depth and the atom size are 1); the energy of a cluster is the sum of ``V`` over its
-# 78 pairs. The function takes *one* cluster, positions of shape (13, 3), and returns a scalar.
-# It works with squared distances, so it has no square root to differentiate. The batch: 16
-# copies of an icosahedron with an atom at its centre, each shaken by random displacements.
+# the well depth and the atom size are 1), summed over the 78 pairs. The function takes *one*
+# cluster, positions (13, 3), and returns a scalar; it uses squared distances, so no square
+# root. The batch: 16 icosahedra with an atom at the centre, each shaken at random.
 num_atoms, num_configs = 13, 16
 
 
@@ -70,9 +64,7 @@ print(f"{num_configs} clusters of {num_atoms} atoms, positions {tuple(configs.sh
 # :func:`~torch.func.grad` differentiates the energy of one cluster with respect to its
 # positions; :func:`~torch.func.grad_and_value` returns the energy beside the gradient, from the
 # same forward pass; :func:`~torch.func.vmap` maps both over the batch. The force is minus the
-# gradient: machine-learned force fields (SchNet, by Schütt and co-authors, for one) predict an
-# energy and obtain their forces this way. Were the energy function to return more (per-atom
-# energies, say), ``has_aux=True`` would pass it through beside the energy.
+# gradient. ``has_aux=True`` would pass more outputs (per-atom energies, say) through.
 gradients, energies = vmap(grad_and_value(lj_energy))(configs)
 forces = -gradients
 print(f"forces {tuple(forces.shape)}, energies {tuple(energies.shape)}")
@@ -82,11 +74,10 @@ print(f"forces {tuple(forces.shape)}, energies {tuple(energies.shape)}")
 # The check: the closed-form pair force
 # -------------------------------------
 # By hand, ``V'(r) = −48 r⁻¹³ + 24 r⁻⁷`` and the force on atom ``i`` is
-# ``F_i = −Σ_j V'(r_ij) u_ij``, with ``u_ij`` the unit vector from ``j`` to ``i``. The
-# reference below evaluates that over all ordered pairs at once, in float64 and without
-# autograd; an atom's distance to itself is set to infinity, where ``V'`` is zero. Every entry of
-# every result is compared with it on its own: ``|error| ≤ atol + rtol·|reference|``, with the
-# share of that bound the worst entry uses printed.
+# ``F_i = −Σ_j V'(r_ij) u_ij``, with ``u_ij`` the unit vector from ``j`` to ``i``, evaluated
+# over all ordered pairs at once in float64 without autograd (an atom's distance to itself is
+# infinite, where ``V'`` is zero). Each entry must meet ``|error| ≤ atol + rtol·|reference|``;
+# the share of that bound the worst entry uses is printed.
 def pair_geometry(positions):
     """Separations x_i − x_j, distances and unit vectors for all ordered pairs of a batch."""
     separation = positions[:, :, None, :] - positions[:, None, :, :]
@@ -109,25 +100,53 @@ reference_energies = 2 * (distance.pow(-12) - distance.pow(-6)).sum(dim=(1, 2))
 assert_each_entry("forces vs the closed form", forces.cpu(), reference_forces, 0, 3e-13)
 assert_each_entry("energies vs the closed form", energies.cpu(), reference_energies,
                   1e-15, 0)  # fmt: skip
-# Newton's third law: the energy depends on differences of positions only, so the forces on a
-# cluster add up to zero.
+# Newton's third law: the energy depends on differences of positions only; the forces add to 0.
 assert_each_entry("total force on each cluster", forces.sum(dim=1).cpu(),
                   torch.zeros(num_configs, 3, dtype=torch.float64), 0, 1e-13)  # fmt: skip
+
+# %%
+# The other route, and training on forces
+# ---------------------------------------
+# Machine-learned force fields (SchNetPack, NequIP and MACE among them) differentiate the *sum*
+# of a batch's energies with respect to all positions at once. A cluster's energy depends on
+# its own positions only, so the gradient of the sum holds each cluster's gradient (checked).
+# That fails once one configuration's energy depends on another's (a normalisation over the
+# batch, say): the sum's gradient then mixes their forces.
+batch = configs.clone().requires_grad_()
+(summed,) = torch.autograd.grad(vmap(lj_energy)(batch).sum(), batch)
+assert_each_entry("forces by autograd.grad of the sum", -summed.cpu(), reference_forces,
+                  0, 3e-13)  # fmt: skip
+
+
+# %%
+# Training on forces differentiates through the gradient: those codes pass
+# ``create_graph=True``; with ``torch.func``, ``grad`` of a loss that calls ``grad`` is enough,
+# as on :ref:`the PINN page <sphx_glr_auto_examples_science_plot_physics_informed_network.py>`.
+# Here the parameter is the atoms' size ``σ`` (energy ``lj_energy(x / σ)``), in a loss fitting
+# it to the forces above; a float64 central difference checks its derivative at σ = 1.05.
+def force_matching_loss(size):
+    predicted = -vmap(grad(lambda x: lj_energy(x / size)))(configs)
+    return (predicted - forces).square().mean()
+
+
+size, step = torch.tensor(1.05, dtype=torch.float64, device=device), 1e-6
+plus, minus = force_matching_loss(size + step), force_matching_loss(size - step)
+difference = (plus - minus) / (2 * step)
+assert_each_entry("force-matching loss, d/dσ vs a difference",
+                  grad(force_matching_loss)(size).cpu(), difference.cpu(), 1e-9, 0)  # fmt: skip
 
 # %%
 # The Hessian with respect to positions
 # -------------------------------------
 # :func:`~torch.func.hessian` of one cluster's energy has shape (13, 3, 13, 3): atom and axis
-# of the first derivative, then of the second. ``vmap`` maps it over the batch, and a reshape
-# gives the usual 39 × 39 matrix per cluster. By hand: the block of ``V(|x_i − x_j|)`` with
-# respect to the separation is ``K = V''(r) u uᵀ + V'(r)/r (I − u uᵀ)``, with
-# ``V''(r) = 624 r⁻¹⁴ − 168 r⁻⁸``; the off-diagonal block (i, j) of the Hessian is ``−K_ij``,
-# and the diagonal block (i, i) is ``Σ_j K_ij``. How ``hessian`` composes ``jacfwd`` and
-# ``jacrev`` is the subject of
+# of the first derivative, then of the second; ``vmap`` maps it over the batch, and a reshape
+# gives a 39 × 39 matrix per cluster. By hand: the block of ``V(|x_i − x_j|)`` with respect to
+# the separation is ``K = V''(r) u uᵀ + V'(r)/r (I − u uᵀ)``, ``V''(r) = 624 r⁻¹⁴ − 168 r⁻⁸``;
+# the off-diagonal block (i, j) of the Hessian is ``−K_ij``, the diagonal block ``Σ_j K_ij``.
+# How ``hessian`` composes ``jacfwd`` and ``jacrev``:
 # :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_jacobians_hessians.py`.
 hessians = vmap(hessian(lj_energy))(configs).reshape(num_configs, 3 * num_atoms, -1)
 print(f"Hessians {tuple(hessians.shape)}")
-
 bend = 624 * distance.pow(-14) - 168 * distance.pow(-8)  # V''(r)
 along = unit[..., :, None] * unit[..., None, :]  # u uᵀ, (B, N, N, 3, 3)
 across = torch.eye(3, dtype=torch.float64) - along
@@ -140,8 +159,7 @@ assert_each_entry("Hessians vs the closed form", hessians.cpu(), reference_hessi
                   0, 5e-12)  # fmt: skip
 
 # %%
-# Shifting every atom by the same vector changes nothing, so each row of the Hessian sums to
-# zero over the atoms, for each axis of the shift. That holds at any configuration.
+# Shifting all atoms by one vector changes nothing: each Hessian row sums to zero over atoms.
 row_sums = hessians.reshape(num_configs, 39, num_atoms, 3).sum(dim=2).cpu()
 assert_each_entry("Hessian rows summed over atoms", row_sums,
                   torch.zeros_like(row_sums), 0, 1e-12)  # fmt: skip
@@ -149,10 +167,10 @@ assert_each_entry("Hessian rows summed over atoms", row_sums,
 # %%
 # At a minimum: six zero modes
 # ----------------------------
-# With the gradient and the Hessian of one cluster, Newton's method finds a minimum in a few
-# steps (six here, from the unshaken icosahedron). The Hessian is singular (the rows above sum
-# to zero), so each step solves with its pseudo-inverse. The minimum of 13 Lennard-Jones atoms
-# is tabulated (Wales and Doye, 1997, in the Cambridge Cluster Database) as −44.326801.
+# Newton's method, with the gradient and Hessian of one cluster, finds a stationary point, a
+# saddle as well as a minimum; from the unshaken icosahedron six steps, each solved with the
+# pseudo-inverse of the singular Hessian, reach the minimum tabulated (Wales and Doye, 1997) as
+# −44.326801 (its eigenvalues checked below). Geometry optimisers use L-BFGS or trust regions.
 positions = icosahedron.to(device, torch.float64)
 for _ in range(6):
     gradient = grad(lj_energy)(positions).flatten()
@@ -161,13 +179,12 @@ for _ in range(6):
     positions = positions - newton.reshape(num_atoms, 3)
 gradient, energy = grad_and_value(lj_energy)(positions)
 print(f"minimum: energy {energy.item():.6f}, |gradient| {gradient.norm().item():.1e}")
-assert abs(energy.item() + 44.326801) < 1e-6 and gradient.norm() < 1e-10
+assert abs(energy.item() + 44.326801) < 1e-6 and gradient.norm() < 1e-12
 
 # %%
-# At a minimum, the eigenvalues of the Hessian are its vibrational stiffnesses. Three of them
-# are zero because of translations, as above, and three more because of rotations: rotating a
-# cluster also changes nothing, and at a stationary point that makes each rotation a direction
-# of zero curvature. The other 33 must be positive.
+# At a minimum, the Hessian's eigenvalues are its vibrational stiffnesses: zero for the three
+# translations, as above, and for the three rotations, as rotating a cluster changes nothing
+# (at a stationary point, a direction of zero curvature); the other 33 must be positive.
 stiffness = torch.linalg.eigvalsh(hessian(lj_energy)(positions).reshape(39, 39)).cpu()
 is_zero = stiffness.abs() < 1e-10 * stiffness.abs().max()
 print(f"{int(is_zero.sum())} zero eigenvalues (largest {stiffness[is_zero].abs().max():.1e});"
@@ -180,11 +197,12 @@ assert is_zero.sum() == 6 and (stiffness[~is_zero] > 0).all()
 # -------------------------
 # A physics-informed network ``u(x)`` is trained so that, for instance, its Laplacian
 # ``Δu = Σ_i ∂²u/∂x_i²``, the trace of its Hessian with respect to the input ``x``, matches a
-# source term at many points (Raissi, Perdikaris and Karniadakis, 2019, put such derivatives of
-# a network into its loss). Our ``u`` is one tanh layer, ``wᵀ tanh(A x + b)``, whose Hessian
-# ``Aᵀ diag(w ⊙ tanh'') A`` couples all the inputs and has a closed form: with
-# ``t = tanh(A x + b)``, ``tanh'' = −2t(1 − t²)`` and ``Δu = Σ_k w_k tanh''_k |A_k|²``. The
-# reference evaluates both in float64 (the whole Hessian is for later).
+# source term at many points (Raissi, Perdikaris and Karniadakis, 2019; :ref:`the PINN page
+# <sphx_glr_auto_examples_science_plot_physics_informed_network.py>` trains one). Our ``u`` is
+# one tanh layer, ``wᵀ tanh(A x + b)``, whose Hessian ``Aᵀ diag(w ⊙ tanh'') A`` couples all
+# inputs; with ``t = tanh(A x + b)``, ``tanh'' = −2t(1 − t²)``, ``Δu = Σ_k w_k tanh''_k |A_k|²``
+# (both in float64 for reference). Taylor mode (JAX's ``jax.experimental.jet``; the "forward
+# Laplacian" is of its family) has no counterpart in ``torch.func``.
 def make_field(dim, width=64, points=16):
     """u(x) for one point x of length dim, its parameters, and a batch of points."""
     gen = torch.Generator().manual_seed(dim)
@@ -211,15 +229,12 @@ def closed_form(weights, xs):
 # %%
 # (a) **The trace of the Hessian**: form it with ``hessian``, keep its diagonal. (b)
 # **Forward-over-reverse, one coordinate at a time**: ``e_iᵀ H e_i`` is the *i*-th diagonal
-# entry, and ``H e_i`` is a Hessian-vector product, :func:`~torch.func.jvp` of ``grad(u)`` along
-# ``e_i``; ``vmap`` over the basis vectors runs all ``d`` of them in one call and the sum adds
-# the diagonal up; the product on its own is built and timed in
-# :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`.
-# (c) **Hutchinson's estimator** (Hutchinson, 1990): for a random vector ``v`` whose entries
-# are ±1 with equal chance (a Rademacher probe), ``E[vᵀ H v] = trace H``; the mean over ``S``
-# probes estimates the Laplacian with ``S`` products instead of ``d``.
-def quadratic_form(u, x, v):
-    """vᵀ H v at x, from one forward-over-reverse Hessian-vector product."""
+# entry, ``H e_i`` a Hessian-vector product (:func:`~torch.func.jvp` of ``grad(u)`` along
+# ``e_i``; ``vmap`` runs all ``d`` at once), on its own in
+# :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`. (c)
+# **Hutchinson's estimator** (1990): for ``v`` with entries ±1 at random (a Rademacher probe),
+# ``E[vᵀ H v] = trace H``; the mean over ``S`` probes estimates it with ``S`` products, not ``d``.
+def quadratic_form(u, x, v):  # vᵀ H v at x, from one forward-over-reverse product H v
     return v @ jvp(grad(u), (x,), (v,))[1]
 
 
@@ -237,8 +252,7 @@ def hutchinson_samples(u, x, probes):
     return vmap(lambda v: quadratic_form(u, x, v))(probes)
 
 
-def over_points(route, u):
-    """Map a route, given u, over a batch of points (and of per-point probes)."""
+def over_points(route, u):  # the route, given u, mapped over points (and probes)
     return vmap(partial(route, u))
 
 
@@ -254,11 +268,10 @@ def rademacher_variance(hessians):
 
 
 # %%
-# Each route is mapped over 16 points, for ``d`` = 8 and 256; the exact routes are compared with
-# the closed form entry by entry. Hutchinson's estimate is random: with 16 probes its standard
-# error is ``√(Var/16)``, where for ±1 probes the variance of one ``vᵀ H v`` is
-# ``2 Σ_{i≠j} H_ij²`` (the diagonal drops out as ``v_i² = 1``). Each point's estimate must lie
-# within 4 standard errors of the exact Laplacian.
+# Each route is mapped over 16 points, for ``d`` = 8 and 256, and checked entry by entry; for
+# Hutchinson's, each probe's ``vᵀ H v``. Their mean is random: its standard error is
+# ``√(Var/16)``, where for ±1 probes ``Var(vᵀ H v) = 2 Σ_{i≠j} H_ij²`` (as ``v_i² = 1``). Each
+# estimate lies within 4 standard errors of the exact Laplacian: a demonstration, not a check.
 num_probes = 16
 for dim in (8, 256):
     u, weights, xs = make_field(dim)
@@ -270,9 +283,13 @@ for dim in (8, 256):
     assert_each_entry(f"d={dim:3d} (b) one product per coordinate", by_basis.cpu(), exact,
                       0, 2e-6)  # fmt: skip
     probes = rademacher((len(xs), num_probes, dim), seed=dim)
-    estimates = over_points(hutchinson_samples, u)(xs, probes).mean(dim=1)
+    samples = over_points(hutchinson_samples, u)(xs, probes)
+    v = probes.cpu().double()  # (points, probes, d)
+    by_hand = torch.einsum("psi,pij,psj->ps", v, exact_hessians, v)  # each vᵀ H v
+    assert_each_entry(f"d={dim:3d} (c) each probe's vᵀ H v", samples.cpu(), by_hand,
+                      0, 2e-6)  # fmt: skip
     standard_error = (rademacher_variance(exact_hessians) / num_probes).sqrt()
-    in_errors = (estimates.cpu().double() - exact).abs() / standard_error
+    in_errors = (samples.mean(dim=1).cpu().double() - exact).abs() / standard_error
     print(f"d={dim:3d} (c) Hutchinson, {num_probes} probes: worst point "
           f"{in_errors.max().item():.2f} standard errors off (bound 4); a standard error is "
           f"{(standard_error / exact.abs()).median().item():.0%} of |Δu| (median)")  # fmt: skip
@@ -281,10 +298,9 @@ for dim in (8, 256):
 # %%
 # Why ±1 probes: the variance, measured
 # -------------------------------------
-# At one point with ``d = 8``, 32,768 probes of each kind measure the variance of ``vᵀ H v``.
-# For standard Gaussian probes the known variance is ``2 Σ_ij H_ij²``: the diagonal, which ±1
-# probes skip, adds ``2 Σ_i H_ii²``. Each sample variance must lie within 4 of its own standard
-# errors (estimated from the samples' fourth moment) of its formula.
+# For Gaussian probes the variance of ``vᵀ H v`` is ``2 Σ_ij H_ij²``: the diagonal, which ±1
+# probes skip, adds ``2 Σ_i H_ii²``. At one point with ``d = 8``, 32,768 probes of each kind
+# measure it, within 4 standard errors (from the samples' fourth moment) of its formula.
 u, weights, xs = make_field(8)
 h = closed_form(weights, xs[:1])[1][0]
 many, gen = 2**15, torch.Generator().manual_seed(1)
@@ -302,7 +318,7 @@ for kind, (probes, formula) in probe_kinds.items():
           f"({apart:.1f} of its standard errors apart, bound 4)")  # fmt: skip
     assert apart <= 4, f"{kind}: the variance is {apart:.1f} standard errors off"
 ratio = probe_kinds["Gaussian"][1] / probe_kinds["Rademacher"][1]
-print(f"Gaussian probes need {ratio:.2f}x the probes of ±1 ones for the same precision")
+print(f"Gaussian probes need {ratio:.3g}x the probes of ±1 ones for the same precision")
 
 
 # %%
@@ -310,8 +326,7 @@ print(f"Gaussian probes need {ratio:.2f}x the probes of ±1 ones for the same pr
 # ---------------------------
 # Memory first. A ``TorchDispatchMode`` sees every operation's result; we record the largest
 # storage among them in bytes, a lower limit on a route's peak memory. Storage, not shape, so a
-# view (an ``expand``, say) counts no bigger than what it views. The tool is checked on two
-# known cases: a batch of outer products, and an expand.
+# view (an ``expand``, say) counts no bigger than what it views. Checked on two known cases.
 class LargestTensor(TorchDispatchMode):
     nbytes = 0  # the largest storage seen so far, per instance once it is set
 
@@ -333,8 +348,8 @@ assert probe.nbytes == 4 * 100 * 4, probe.nbytes
 print("largest tensor: 160,000 bytes for 4 outer products of 100, 1,600 for an expand")
 
 # %%
-# Each route runs on 16 points, with 16 probes for Hutchinson, for ``d`` = 8, 64 and 256.
-# Times are medians of :class:`torch.utils.benchmark.Timer` blocks after a warm-up.
+# Each route runs on 16 points, with 16 probes for Hutchinson, for ``d`` = 8, 64 and 256. Times
+# are medians of :class:`torch.utils.benchmark.Timer` blocks after a warm-up, on all threads.
 routes = {
     "hessian": lambda u, xs, v: over_points(laplacian_by_trace, u)(xs),
     "forward-over-reverse": lambda u, xs, v: over_points(laplacian_by_basis, u)(xs),
@@ -343,10 +358,12 @@ routes = {
 dims = (8, 64, 256)
 
 
-def timed(run):  # at least 5 calls' time, so that there are several blocks
-    timer = Timer("run()", globals={"run": run})
-    once = timer.timeit(1).median
-    return timer.blocked_autorange(min_run_time=max(0.2, 5 * once))
+def timed(run):  # blocks for 0.2 s, and at least 5 blocks, so that they have a spread
+    timer = Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
+    blocks = [timer.blocked_autorange(min_run_time=0.2)]
+    while sum(len(m.times) for m in blocks) < 5:  # a slow call fills few blocks
+        blocks.append(timer.timeit(1))
+    return Measurement.merge(blocks)[0]
 
 
 times, sizes = {name: [] for name in routes}, {name: [] for name in routes}
@@ -360,67 +377,71 @@ for dim in dims:
         sizes[name].append(probe.nbytes)
         times[name].append(measured := timed(run))
         print(f"d={dim:3d} {name:21s} {measured.median * 1e3:7.2f} ms (IQR "
-              f"{measured.iqr * 1e3:.2g} ms), largest tensor {probe.nbytes:>9,} bytes")  # fmt: skip
+              f"{measured.iqr * 1e3:.3g} ms, {len(measured.times)} blocks), "
+              f"largest tensor {probe.nbytes:>9,} bytes")  # fmt: skip
     for exact_route in ("hessian", "forward-over-reverse"):
         assert sizes[exact_route][-1] >= len(xs) * dim * dim * 4  # B·d² floats
 assert sizes["Hutchinson"][-1] < sizes["forward-over-reverse"][-1]
 
 # %%
-# ``vmap`` runs all ``d`` products of route (b) at once, so their ``d`` columns are in memory
-# together. Its ``chunk_size`` argument runs them 16 at a time instead; the result must not
-# change (checked against the closed form again), the largest tensor should shrink.
-exact, _ = closed_form(make_field(256)[1], xs)
+# ``vmap`` runs all ``d`` products of route (b) at once, their ``d`` columns in memory together;
+# ``chunk_size=16`` runs 16 at a time: the result must not change, the largest tensor shrink.
+u, weights, xs = make_field(256)  # the field and points of d = 256, made afresh
 in_chunks = partial(over_points(partial(laplacian_by_basis, chunk_size=16), u), xs)
 with LargestTensor() as probe:
     chunked = in_chunks()
-assert_each_entry("d=256 (b) in chunks of 16", chunked.cpu(), exact, 0, 2e-6)
+assert_each_entry("d=256 (b) in chunks of 16", chunked.cpu(), closed_form(weights, xs)[0],
+                  0, 2e-6)  # fmt: skip
 chunked_time = timed(in_chunks)
 print(f"d=256 forward-over-reverse, chunk_size=16: {chunked_time.median * 1e3:.2f} ms (IQR "
-      f"{chunked_time.iqr * 1e3:.2g} ms), largest tensor {probe.nbytes:,} bytes, "
-      f"{sizes['forward-over-reverse'][-1] / probe.nbytes:.0f}x less than unchunked")  # fmt: skip
+      f"{chunked_time.iqr * 1e3:.3g} ms, {len(chunked_time.times)} blocks), largest tensor "
+      f"{probe.nbytes:,} bytes, {sizes['forward-over-reverse'][-1] / probe.nbytes:.3g}x"
+      " less than unchunked")  # fmt: skip
 assert probe.nbytes < sizes["forward-over-reverse"][-1]
 
 
 # %%
 def time_ratio(slow, fast, at):
     ratio = times[slow][at].median / times[fast][at].median
-    return f"{slow} takes {ratio:.1f}x the time of {fast} at d={dims[at]}"
+    return f"{slow} takes {ratio:.3g}x the time of {fast} at d={dims[at]}"
 
 
 for name in routes:
     growth = times[name][-1].median / times[name][0].median
-    print(f"{name:21s} from d=8 to d=256: time x{growth:.1f}, "
-          f"largest tensor x{sizes[name][-1] / sizes[name][0]:.1f}")  # fmt: skip
+    print(f"{name:21s} from d=8 to d=256: time x{growth:.3g}, "
+          f"largest tensor x{sizes[name][-1] / sizes[name][0]:.3g}")  # fmt: skip
 print(time_ratio("hessian", "Hutchinson", -1))
 print(time_ratio("forward-over-reverse", "Hutchinson", -1))
 print(time_ratio("hessian", "forward-over-reverse", -1))
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+levels = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)  # the quartiles
 for (name, colour), marker, width in zip(METHOD_COLORS.items(), "osD", (4, 2, 2)):
     style = dict(color=colour, marker=marker, lw=width, ms=4 + width, label=name)
-    medians, iqrs = zip(*((t.median * 1e3, t.iqr * 1e3) for t in times[name]))
-    left.errorbar(dims, medians, yerr=iqrs, capsize=3, **style)
+    low, mid, high = torch.stack([torch.tensor(t.times, dtype=torch.float64).quantile(levels)
+                                  for t in times[name]]).T * 1e3  # fmt: skip
+    left.errorbar(dims, mid, yerr=(mid - low, high - mid), capsize=3, **style)
     right.plot(dims, sizes[name], **style)
 for ax, label in ((left, "median time (ms)"), (right, "largest tensor (bytes)")):
     ax.set(xscale="log", yscale="log", xlabel="input dimension d", ylabel=label)
     ax.set_xticks(dims, [str(d) for d in dims])
 left.legend(loc="upper left")
-left.set_title(f"{device.type.upper()}: time, with IQR")
+left.set_title(f"{device.type.upper()}: median time, bars to the quartiles")
 right.set_title(f"Hutchinson uses {num_probes} probes at every d")
 plt.show()
 
 # %%
 # **Reading the numbers.** The exact routes run ``d`` Hessian-vector products per point and
-# hold each point's ``d × d`` Hessian (asserted above) unless chunked; Hutchinson's runs ``S``
-# whatever ``d`` is, and pays in noise: its standard error falls as ``1/√S``. Route (b) computes
-# what ``jacfwd(grad(u))`` does; ``hessian`` is ``jacfwd(jacrev(u))``, and the ``vmap`` that
-# ``jacrev`` puts over the single output of ``u`` is probably what costs it the extra time.
+# hold each point's ``d × d`` Hessian (asserted) unless chunked; Hutchinson's runs ``S``
+# whatever ``d`` is, and pays in noise: its standard error falls as ``1/√S``. ``hessian`` is
+# ``jacfwd(jacrev(u))``; the ``vmap`` of size one that ``jacrev`` puts over ``u``'s single
+# output probably costs it time that route (b) does not spend (not measured here).
 
 # %%
 # What to remember
 # ----------------
-# * Forces for a batch of configurations: ``vmap(grad_and_value(energy))`` gives the gradient
-#   (minus the force) and the energy from one call; check them against a closed-form force.
+# * Forces for a batch: ``vmap(grad_and_value(energy))``, or ``autograd.grad`` of the summed
+#   energies while no configuration's energy depends on another's; check a closed-form force.
 # * ``vmap(hessian(energy))`` gives one (N, 3, N, 3) Hessian per configuration; its rows sum to
 #   zero over atoms, and at a minimum of a free cluster it has six zero eigenvalues, not three.
 # * An exact Laplacian costs ``d`` Hessian-vector products, ``jvp`` of ``grad``; ``vmap`` over

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jacfwd, vmap
-from torch.utils.benchmark import Timer
+from torch.utils.benchmark import Measurement, Timer
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
@@ -376,16 +376,21 @@ for name, route in routes.items():
         return torch.autograd.grad(loss, list(live.values()), allow_unused=True)
 
     step()  # warm-up
-    times[name] = Timer("step()", globals={"step": step}).blocked_autorange(
-        min_run_time=0.5
-    )
-    print(f"{name:25s} residual and parameter gradient: {times[name].median * 1e3:.2f} ms "
-          f"(IQR {times[name].iqr * 1e6:.0f} µs, {len(times[name].times)} blocks)")  # fmt: skip
+    timer = Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    measured = timer.blocked_autorange(min_run_time=0.5)
+    while (
+        len(measured.times) < 5
+    ):  # enough blocks for a spread, however busy the machine
+        more = timer.timeit(measured.number_per_run)
+        measured = Measurement.merge([measured, more])[0]
+    times[name] = measured
+    print(f"{name:25s} residual and parameter gradient: {measured.median * 1e3:.3g} ms "
+          f"(IQR {measured.iqr * 1e3:.3g} ms, {len(measured.times)} blocks)")  # fmt: skip
 ratio = times["vmap of nested grad"].median / times["autograd.grad on the sum"].median
 slower, faster = ("vmap of nested grad", "autograd.grad on the sum")[
     :: 1 if ratio >= 1 else -1
 ]
-print(f"{slower} takes {max(ratio, 1 / ratio):.1f}x the time of {faster}, "
+print(f"{slower} takes {max(ratio, 1 / ratio):.3g}x the time of {faster}, "
       f"for {len(inside_x)} points on {device.type.upper()}")  # fmt: skip
 
 # %%
