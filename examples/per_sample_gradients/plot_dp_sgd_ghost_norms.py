@@ -77,8 +77,11 @@ check_x, check_y = inputs[:64], targets[:64]  # the float64 reference on 64 samp
 reference_norms = norms_of(per_sample_grads(model, check_x.double(), check_y))
 norm_errors = ghost_norms(model, check_x, check_y)[0] / reference_norms - 1
 norm_error = norm_errors.abs().max().item()
-print(f"ghost norms vs float64 vmap(grad): largest relative error {norm_error:.1e}")
-assert norm_error < 1e-5
+print(
+    f"ghost norms vs float64 vmap(grad): largest relative error {norm_error:.1e} "
+    f"(bound 1e-6, {1e-6 / norm_error:.0f}x it)"
+)
+assert norm_error < 1e-6, f"relative error {norm_error:.1e} above 1e-6"
 
 # %%
 # Sequences: two Gram matrices per sample
@@ -160,7 +163,9 @@ for length in (tokens, 256):
 # Each sample's clipping factor is ``min(1, C / ‖∇ℓᵢ‖)``. The clipped mean gradient
 # ``(1/B) Σᵢ factorᵢ ∇ℓᵢ`` is the ordinary gradient of the *weighted* loss
 # ``(1/B) Σᵢ factorᵢ ℓᵢ`` with the factors held constant, so a second backward pass through
-# the kept graph gives it ("ghost clipping"). Book-keeping (Bu et al., 2023) skips that pass:
+# the kept graph gives it ("ghost clipping"). The factors are constants already: the norms
+# come from detached inputs and from output gradients that ``autograd.grad`` returns without
+# history (no ``create_graph``). Book-keeping (Bu et al., 2023) skips that pass:
 # the clipped weight gradient is ``Σᵢ factorᵢ gᵢ aᵢᵀ / B``, one matrix product per layer of
 # the scaled output gradients and the inputs already held. In practice, Opacus ships ghost
 # clipping: ``PrivacyEngine.make_private(..., grad_sample_mode="ghost")`` returns a loss whose
@@ -170,7 +175,7 @@ for length in (tokens, 256):
 
 def ghost_clipped_mean(net, x, y, clip_norm):
     norms, losses, _, _ = ghost_norms(net, x, y)
-    factors = (clip_norm / norms).clamp(max=1.0).detach()
+    factors = (clip_norm / norms).clamp(max=1.0)  # constants: the norms have no history
     return torch.autograd.grad(
         (factors * losses).sum() / len(x), list(net.parameters())
     )
@@ -272,9 +277,9 @@ else:
 # one call of each method; the largest running total of bytes allocated since the call began
 # is its peak (on a GPU, the allocator's peak statistics). The materialised way must hold the
 # B·P per-sample gradient floats, so its peak must be at least their bytes, counted; the
-# ghost methods never form them, so theirs must be below. Beyond what an ordinary step holds,
-# ghost clipping still holds each layer's output gradients during its second pass: their
-# bytes, counted, must match the difference of the peaks within 10%.
+# ghost methods never form them, so theirs must be below. Ghost clipping runs two passes; its
+# first, ``ghost_norms`` keeping the graph, is also measured alone, to see which pass sets the
+# peak (the second forms the parameter gradients, as an ordinary step does).
 import gc
 import json
 import tempfile
@@ -305,25 +310,27 @@ def peak_bytes(fn):
     return max(m["Total Allocated"] for m in memory) - start
 
 
+# A case with a known answer: ``x + 1`` holds two tensors of 2**20 floats, 8 MiB.
+known = peak_bytes(lambda: torch.ones(2**20, device=device) + 1) / 2**20
+print(f"peak of torch.ones(2**20) + 1: {known:.3f} MiB")
+assert 8 <= known < 8.01
 step_peaks = {
     name: peak_bytes(lambda step=step: step(model, inputs, targets, clip_norm))
     for name, step in steps.items()
 }
 num_params = sum(p.numel() for p in model.parameters())
 per_sample_bytes = len(inputs) * num_params * 4
-out_grads = ghost_norms(model, inputs, targets)[3]
-out_grad_bytes = sum(g.numel() * g.element_size() for g in out_grads)
 for name, peak in step_peaks.items():
-    print(f"{name:15s} peak {peak / 2**20:7.1f} MiB")
-print(
-    f"B·P per-sample floats: {per_sample_bytes / 2**20:.1f} MiB; output gradients of "
-    f"all layers: {out_grad_bytes / 2**20:.2f} MiB; ghost clipping above an ordinary "
-    f"step: {(step_peaks['ghost clipping'] - step_peaks['batched']) / 2**20:.2f} MiB"
-)
+    print(f"{name:15s} peak {peak / 2**20:7.2f} MiB")
+print(f"B·P per-sample floats: {per_sample_bytes / 2**20:.1f} MiB")
 assert step_peaks["vmap"] >= per_sample_bytes
 assert max(step_peaks["ghost clipping"], step_peaks["book-keeping"]) < per_sample_bytes
-extra = step_peaks["ghost clipping"] - step_peaks["batched"]
-assert abs(extra - out_grad_bytes) < 0.1 * out_grad_bytes
+first_pass = peak_bytes(lambda: ghost_norms(model, inputs, targets))
+in_first = step_peaks["ghost clipping"] - first_pass < 0.01 * first_pass
+print(
+    f"ghost clipping's first pass alone peaks at {first_pass / 2**20:.2f} MiB: the "
+    f"method's peak is reached in its {'first' if in_first else 'second'} pass"
+)
 print(
     "vmap's peak memory is "
     f"{step_peaks['vmap'] / step_peaks['ghost clipping']:.2f}x ghost clipping's"
@@ -369,4 +376,5 @@ plt.show()
 #   matrices; it pays in memory when ``2T² < I·O`` and in FLOPs when ``T·(I + O) < I·O``.
 # * The clipped mean gradient is the gradient of the factor-weighted loss (a second backward
 #   pass), or ``Σᵢ factorᵢ gᵢ aᵢᵀ / B`` per layer (book-keeping), and neither holds B·P floats.
-# * Check ghost norms against ``vmap(grad(...))`` in float64, per parameter.
+# * Check ghost norms against ``vmap(grad(...))`` in float64, each sample's norm, and the
+#   clipped mean gradient parameter by parameter.

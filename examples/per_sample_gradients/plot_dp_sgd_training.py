@@ -110,9 +110,11 @@ print(f"{len(x_train)} training and {len(x_test)} test images, q = {SAMPLE_RATE:
 # ------------------------------------------
 # Three runs from the same initial weights, each with the same Poisson batches, learning rate
 # and number of steps: plain SGD (the batch's mean gradient), clipping without noise
-# (``σ = 0``), and DP-SGD. Separating clipping from noise shows what each costs in test
-# accuracy. The noise comes from a seeded generator so that the page is reproducible; real
-# DP training needs noise nobody can predict (Opacus: ``PrivacyEngine(secure_mode=True)``).
+# (``σ = 0``), and DP-SGD. The middle run separates what clipping costs from what the noise
+# adds; this is one seed, and the gap between the two private runs is not read from it (it
+# takes several seeds). The noise comes from a seeded generator so that the page is
+# reproducible; real DP training needs noise nobody can predict (Opacus:
+# ``PrivacyEngine(secure_mode=True)``).
 from functools import partial
 
 EPOCHS = 15
@@ -255,8 +257,8 @@ for name, step in steps.items():
     )
 
 # %%
-# The figure shows each run's test accuracy after every epoch, and its step time. Plain SGD
-# takes the batched gradient; both private runs take per-sample gradients with vmap.
+# The figure shows each run's test accuracy after every epoch (one seed), and its step time.
+# Plain SGD takes the batched gradient; both private runs take per-sample gradients with vmap.
 METHOD_COLORS = {"batched": "#666666", "vmap": "#009E73"}
 styles = {
     "plain SGD": dict(color=METHOD_COLORS["batched"], marker="o"),
@@ -290,6 +292,7 @@ plt.show()
 #   ``min(1, C / ‖gᵢ‖)``, summed, plus ``N(0, σ²C²)`` noise, divided by the *expected* batch.
 # * Check the training loop's own step against Opacus' ``DPOptimizer`` on a batch whose size
 #   differs from the expected one, comparing each parameter's update.
-# * Separate clipping from noise: run with ``σ = 0`` to see what each costs in accuracy.
+# * A ``σ = 0`` run separates clipping from noise; here clipping cost accuracy against plain
+#   SGD. Judge what the noise adds over several seeds, not from one run.
 # * ε covers only what touches the private data inside the accounted steps: normalise with
 #   public constants. Recomputing ε from the bound's formula checks the accountant's inputs.
