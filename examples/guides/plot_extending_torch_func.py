@@ -378,7 +378,7 @@ expect_error(
 # %%
 # ``autograd.Function`` or ``torch.library.custom_op``?
 # -----------------------------------------------------
-# :func:`torch.library.custom_op` wraps the same NumPy code as an operator that
+# ``torch.library.custom_op`` wraps the same NumPy code as an operator that
 # ``torch.compile`` keeps whole, as one node (``register_fake`` gives it the output's shape),
 # with ``register_autograd`` and ``register_vmap``. In this release ``vmap``, the compiled graph
 # and plain autograd work, but ``grad`` refuses the op with the old-style Function's error

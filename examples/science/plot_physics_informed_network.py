@@ -237,8 +237,8 @@ for (name, p), reference in zip(model.named_parameters(), ref_grads):
 # %%
 # Training: Adam, then L-BFGS
 # ---------------------------
-# 300 steps of :class:`torch.optim.Adam`, with a learning rate that decays along a cosine, bring
-# the network near the solution; :class:`torch.optim.LBFGS`, a quasi-Newton method, then
+# 300 steps of ``torch.optim.Adam``, with a learning rate that decays along a cosine, bring
+# the network near the solution; ``torch.optim.LBFGS``, a quasi-Newton method, then
 # refines it (a common pairing for PINNs). L-BFGS evaluates the loss several times per step,
 # so it takes a ``closure``; every evaluation's loss is kept for the curve.
 history = []
