@@ -5,10 +5,18 @@ turns off gradients or sets a seed would otherwise leak that into the next one. 
 ``torch.compile``: its caches are kept per code object, and every ``vmap``-wrapped function
 shares one, so a function compiled at two batch sizes by one example made the next example's
 compiled ``vmap`` start with a dynamic batch dimension, which a fresh process would not.
-The same holds for the C heap: the examples ask glibc to keep freed memory, so after a page
-that allocates gigabytes the build's process holds a large heap of free memory that a fresh
-process (a reader's notebook) does not have. Handing it back to the kernel before each example
-makes the next one start from a heap like a fresh process's.
+The same holds for the C heap. Some examples ask glibc, with ``mallopt``, to keep freed memory
+and to serve large blocks from the heap, and those settings last for the rest of the process:
+in the build, the Jacobians page (which set nothing then) ran its ``jacrev(jacfwd)`` Hessian
+with no page faults per call, while a fresh run of its download mapped each 64 MiB block afresh
+and took about 65,000 faults per call, and printed a time ratio to ``hessian`` several times
+larger. So before each example the settings go back to those of a fresh process whose dynamic
+thresholds have risen (glibc raises the mmap threshold to each freed mapped block, up to 32 MiB
+on 64-bit systems, and the trim threshold to twice that; after a ``mallopt`` call they stay
+fixed, so the ceiling is set here), and free heap pages go back to the kernel. That cannot undo
+the heap's layout: free chunks that earlier examples left inside the heap still serve large
+blocks without a new mapping. So an example whose times depend on the allocator pins its own
+policy, as :doc:`/reading-timings` describes, and then a fresh run does what the build does.
 """
 
 import ctypes
@@ -42,5 +50,21 @@ def reset_state(gallery_conf, fname):
     matplotlib.rcdefaults()
     gc.collect()  # the last example's tensors, if a cycle still holds them
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        # Free heap pages go back to the kernel, as in a fresh process.
-        ctypes.CDLL(None).malloc_trim(0)
+        _reset_glibc_malloc(ctypes.CDLL(None))
+
+
+# glibc's mallopt parameters (<malloc.h>) and the values a fresh 64-bit process works with.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
+_MMAP_THRESHOLD_CEILING = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX: 4 MiB * sizeof(long)
+
+
+def _reset_glibc_malloc(libc):
+    """Undo an earlier example's ``mallopt`` calls, then hand free heap pages back."""
+    for parameter, value in [
+        (_M_MMAP_MAX, 65536),  # large blocks may be mapped again (glibc's default)
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING),
+        (_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_CEILING),
+        (_M_TOP_PAD, 128 * 1024),  # glibc's default
+    ]:
+        assert libc.mallopt(parameter, value) == 1, (parameter, value)
+    libc.malloc_trim(0)

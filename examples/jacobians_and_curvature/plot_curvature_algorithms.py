@@ -103,7 +103,7 @@ relative_error(hvp(vector), expected_product, 1e-14,
 # %%
 # Dense Hessian, or products built once at fixed θ
 # ------------------------------------------------
-# The dense Hessian costs about P products' matrix-product FLOPs (``FlopCounterMode``), in
+# The dense Hessian costs about P linearized products' matrix FLOPs (``FlopCounterMode``), in
 # one vectorised call, and holds P² numbers against a product's P. The solvers below take many
 # products at one θ, so what depends on θ alone can be paid once: ``linearize`` of the flat
 # gradient traces its ``jvp`` and, on its first call, folds into constants all that does not
@@ -188,7 +188,8 @@ for name, seconds in times.items():
           "256x256 rate")  # fmt: skip
     if name not in (square_name, per_call):
         low, mid, high = per_round(name, per_call)
-        words = f"{mid:.2f}x the time of" if mid >= 1 else f"{1 / mid:.2f}x faster than"
+        words, low, high = ((f"{mid:.2f}x the time of", low, high) if mid >= 1 else
+                            (f"{1 / mid:.2f}x faster than", 1 / high, 1 / low))  # fmt: skip
         print(f"{name}: {words} one jvp of grad (ratio IQR {low:.3g} to {high:.3g})")
 dense_over_product = flops["dense Hessian, then times v"] / flops["linearized"]
 print(f"dense Hessian: {dense_over_product:.1f} linearized products' FLOPs, P = "
@@ -211,12 +212,12 @@ for a, b in [("kept vjp", per_call), ("linearized", per_call),
 totals = {way: quartiles([setup[way] + (POWER_STEPS - (way != per_call)) * t
                           for t in times[way]]) for way in setup}  # fmt: skip
 for way, (low, mid, high) in totals.items():
-    print(f"{POWER_STEPS} products by {way}: {mid:.3g} s in all "
-          f"(IQR {high - low:.3g} s)")  # fmt: skip
+    print(f"{POWER_STEPS} products by {way}: {mid:.3g} s in all (IQR {high - low:.3g} s, "
+          "from the products alone: the one-off is measured once)")  # fmt: skip
 best, *rest = sorted(totals, key=lambda way: totals[way][1])
 ties = [way for way in rest if totals[way][0] <= totals[best][2]]
 verdict = f"tying with {', '.join(ties)}" if ties else "the cheapest here"
-print(f"the solvers below use {best}, {verdict}")
+print(f"the solvers below use {best}, {verdict} on this run's one-offs")
 hvp_at_theta = ways.get(best, hvp)
 
 # %%

@@ -13,6 +13,8 @@ count and time the work to find which engine wins for tall and for wide Jacobian
 # %%
 # Setup
 # -----
+import ctypes
+import platform
 from functools import partial
 
 import matplotlib.pyplot as plt
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils import benchmark
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,6 +105,9 @@ check_entries("vmap(jvp) cols", columns.T, jacobian_reference)
 # %%
 # Before ``torch.func``, the row-by-row recipe was a Python loop of backward passes, one per
 # output, keeping the graph alive between them. It gives the same rows, one call at a time.
+# ``torch.autograd.functional.jacobian(..., vectorize=True)`` batches those backward passes
+# with ``vmap`` instead; it gives the same Jacobian (checked below), and its documentation
+# recommends ``jacrev``/``jacfwd``.
 
 
 def jacobian_row_by_row(weight, bias, x):
@@ -113,6 +120,8 @@ def jacobian_row_by_row(weight, bias, x):
 
 
 check_entries("row by row", jacobian_row_by_row(weight, bias, x), jacobian_reference)
+vectorized = torch.autograd.functional.jacobian(f_of_x, x, vectorize=True)
+check_entries("vectorize=True", vectorized, jacobian_reference)
 
 # %%
 # Jacobians with respect to the parameters
@@ -131,62 +140,62 @@ check_entries("d f / d bias", jacobian_bias, torch.diag(slope64))
 # Hessians: a Jacobian of a Jacobian
 # ----------------------------------
 # Any pair of engines computes a Hessian. :func:`~torch.func.hessian` is
-# ``jacfwd(jacrev(f))``: reverse mode inside, where the function has many inputs and few
-# outputs, forward mode outside, where the inner Jacobian is tall. We take a wider layer, 128
-# inputs to 32 outputs, and check all four orders against the exact Hessian
+# ``jacfwd(jacrev(f))``, forward-over-reverse, the usual choice for a scalar loss, whose
+# gradient is one reverse pass; for other functions the cheapest order is measured below. On a
+# wider layer, 128 inputs to 32 outputs, we check all four orders against the exact Hessian
 # ``∂²f_i/∂x_k∂x_l = −2 f_i (1 − f_i²) W_ik W_il``, a (32, 128, 128) tensor.
 hess_weight = torch.randn(32, 128, device=device) / 128**0.5
 hess_bias, hess_x = torch.randn(32, device=device), torch.randn(128, device=device)
-hess_outputs64 = layer(hess_weight.double(), hess_bias.double(), hess_x.double())
-hessian_reference = torch.einsum(
-    "i,ik,il->ikl",
-    -2 * hess_outputs64 * (1 - hess_outputs64**2),
-    hess_weight.double(),
-    hess_weight.double(),
-)
+w64 = hess_weight.double()
+f64 = layer(w64, hess_bias.double(), hess_x.double())
+hessian_reference = torch.einsum("i,ik,il->ikl", -2 * f64 * (1 - f64**2), w64, w64)
 hessian_orders = {
     "hessian": hessian(layer, argnums=2),
     "jacfwd(jacfwd)": jacfwd(jacfwd(layer, argnums=2), argnums=2),
     "jacrev(jacrev)": jacrev(jacrev(layer, argnums=2), argnums=2),
     "jacrev(jacfwd)": jacrev(jacfwd(layer, argnums=2), argnums=2),
 }
-hessians = {
-    order: fn(hess_weight, hess_bias, hess_x) for order, fn in hessian_orders.items()
-}
+hessians = {o: fn(hess_weight, hess_bias, hess_x) for o, fn in hessian_orders.items()}
 for order, result in hessians.items():
     check_entries(order, result, hessian_reference)
 
 # %%
-# The entry-by-entry check is strict enough to see one wrong entry: scaling only the largest
-# entry of the Hessian by 1.01 makes it fail, however many entries the tensor has and however
-# small its relative norm error stays.
+# The most common case is the Hessian of a scalar, such as a loss: here the sum of the outputs,
+# whose (128, 128) Hessian is the sum of the per-output Hessians. Both ``jacrev`` and ``jacfwd``
+# take ``chunk_size``, which computes the Jacobian that many rows (or columns) at a time and
+# bounds the memory of the batched call; the result is the same.
+scalar_hessian = hessian(lambda *args: layer(*args).sum(), argnums=2)
+scalar = scalar_hessian(hess_weight, hess_bias, hess_x)
+check_entries("scalar loss", scalar, hessian_reference.sum(dim=0))
+chunked = jacrev(layer, argnums=2, chunk_size=5)(weight, bias, x)
+check_entries("chunk_size=5", chunked, jacobian_reference)
+
+# %%
+# The entry-by-entry check sees one wrong entry: scaling only the largest entry of the Hessian
+# by 1.01 fails it, however small the relative norm error stays.
 tampered = hessians["hessian"].clone()
-largest = torch.unravel_index(hessian_reference.abs().argmax(), tampered.shape)
-tampered[largest] *= 1.01
-norm_error = (
-    (tampered.double() - hessian_reference).norm() / hessian_reference.norm()
-).item()
+tampered[torch.unravel_index(hessian_reference.abs().argmax(), tampered.shape)] *= 1.01
+norm_error = (tampered.double() - hessian_reference).norm() / hessian_reference.norm()
 try:
     check_entries("tampered", tampered, hessian_reference)
+    raise RuntimeError("a 1% change of one Hessian entry went unnoticed")
 except AssertionError as caught:
     assert "Mismatched elements: 1 /" in str(caught), caught
-    print(
-        f"one of {tampered.numel()} entries 1% off fails the check "
-        f"(relative norm error only {norm_error:.1e})"
-    )
-else:
-    raise AssertionError("a 1% change of one Hessian entry went unnoticed")
+print(f"one entry 1% off fails the check (relative norm error {norm_error:.1e})")
 
 # %%
 # How much work? Counting it
 # --------------------------
 # The mental model predicts the arithmetic: each vjp or jvp through the layer is one
-# vector-matrix product with ``W``, ``2 · inputs · outputs`` FLOPs. We count the matrix-product
-# FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` on a tall Jacobian (32 inputs,
-# 1024 outputs) and a wide one (the reverse) and divide by that unit. On a GPU, both sides of
-# every shape are scaled up, so that arithmetic rather than launch overhead can matter.
+# vector-matrix product with ``W``, ``2 · inputs · outputs`` FLOPs, so ``jacrev`` should cost in
+# proportion to the outputs and ``jacfwd`` to the inputs, and a tall Jacobian should favour
+# ``jacfwd``. We count the matrix-product FLOPs with ``torch.utils.flop_counter.FlopCounterMode``
+# in that unit, on Jacobians that keep ``32 · 1024`` entries while their shape runs from wide
+# (1024 inputs, 32 outputs) to tall (32 inputs, 1024 outputs). On a GPU, both sides of every
+# shape are scaled up, so that arithmetic rather than launch overhead can matter.
 scale = 1 if device.type == "cpu" else 4
 tall_inputs, tall_outputs = 32 * scale, 1024 * scale
+engines = {"jacrev": jacrev, "jacfwd": jacfwd}
 
 
 def random_layer(inputs, outputs):
@@ -210,82 +219,76 @@ def products_through_weight(engine, args):
     return flops / (2 * inputs * outputs)
 
 
-for inputs, outputs in [(tall_inputs, tall_outputs), (tall_outputs, tall_inputs)]:
-    args = random_layer(inputs, outputs)
-    rev_products = products_through_weight(jacrev, args)
-    fwd_products = products_through_weight(jacfwd, args)
+sweep_inputs = [tall_outputs // 2**step for step in range(6)]  # 1024, 512, ..., 32
+sweep = [random_layer(n, tall_inputs * tall_outputs // n) for n in sweep_inputs]
+aspect_ratios = [args[0].shape[0] / args[0].shape[1] for args in sweep]
+counted = {
+    name: [products_through_weight(engine, args) for args in sweep]
+    for name, engine in engines.items()
+}
+for args, rev, fwd in zip(sweep, *counted.values()):
+    outputs, inputs = args[0].shape
     print(
-        f"{inputs} in, {outputs} out: jacrev {rev_products:.0f} products, "
-        f"jacfwd {fwd_products:.0f} products"
+        f"{inputs:5d} in, {outputs:5d} out: products jacrev {rev:.0f}, jacfwd {fwd:.0f}"
     )
-    # jacrev: one vjp per output row, plus one product (the forward pass). jacfwd: one jvp
-    # per input column, plus two products, as many as two forward passes.
-    assert rev_products == outputs + 1 and fwd_products == inputs + 2
-
-# %%
-# So in arithmetic, ``jacrev`` costs in proportion to the outputs and ``jacfwd`` to the inputs:
-# a tall Jacobian should favour ``jacfwd`` and a wide one ``jacrev``. Whether the time follows
-# the arithmetic is measured next.
+    # jacrev: one vjp per output row, plus one product, the forward pass. jacfwd: one jvp
+    # per input column, plus two single-row products: the forward pass, and one whose other
+    # operand is all zeros, the tangent of the weight, which is not differentiated but which
+    # the matrix product's forward-mode rule multiplies by anyway (PyTorch issue #69687).
+    assert rev == outputs + 1 and fwd == inputs + 2
 
 # %%
 # How fast is it?
 # ---------------
-# Times are medians of :class:`torch.utils.benchmark.Timer` runs in this build, each with its
-# interquartile range (IQR). First the small layer: the Python loop of backward passes against
-# one batched call.
+# Some Hessians below allocate blocks of 64 MiB per call. By default, glibc's ``malloc`` may
+# map such blocks afresh on every call, and the kernel then faults their pages in each time;
+# whether it does depends on what the process did before. So we ask glibc to keep freed memory
+# for reuse: a fresh run of this page and a long site build then time the same thing.
+# (:doc:`/reading-timings` explains more.) Times are medians of
+# :class:`torch.utils.benchmark.Timer` blocks, with their interquartile range (IQR) and count.
+if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
+    assert ctypes.CDLL(None).mallopt(M_MMAP_MAX, 0) == 1  # large blocks from the heap
+    assert ctypes.CDLL(None).mallopt(M_TRIM_THRESHOLD, -1) == 1  # never hand them back
 
 
-def median_and_iqr_ms(call, min_run_time=0.3):
+def median_and_iqr_ms(call, min_run_time=0.3, min_blocks=5):
     threads = torch.get_num_threads()
     timer = benchmark.Timer("call()", globals={"call": call}, num_threads=threads)
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
-    return measurement.median * 1e3, measurement.iqr * 1e3
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    extra = [timer.timeit(1) for _ in range(min_blocks - len(m.times))]  # slow calls
+    m = benchmark.Measurement.merge([m, *extra])[0]
+    return m.median * 1e3, m.iqr * 1e3, len(m.times)
 
 
-small_times = {
-    "row by row": median_and_iqr_ms(lambda: jacobian_row_by_row(weight, bias, x)),
-    "vmap(vjp)": median_and_iqr_ms(lambda: vmap(vjp(f_of_x, x)[1])(output_basis)),
-    "jacrev": median_and_iqr_ms(lambda: jacrev(layer, argnums=2)(weight, bias, x)),
-}
-for method, (ms, iqr) in small_times.items():
-    speedup = small_times["row by row"][0] / ms
-    print(f"{method:>10}: {ms:6.3f} ms (IQR {iqr:.3f} ms), {speedup:.2f}x row by row")
+def spread(iqr, blocks):
+    return f"IQR {iqr:.3g} ms, {blocks} blocks"
+
 
 # %%
-# Tall, wide, and the shapes between
-# ----------------------------------
-# Now a sweep: the Jacobian keeps ``32 · 1024`` entries while its shape runs from wide
-# (1024 inputs, 32 outputs) to tall (32 inputs, 1024 outputs). For each shape both engines are
-# checked against the formula, their products counted and their times measured.
-sweep_inputs = [tall_outputs // 2**step for step in range(6)]  # 1024, 512, ..., 32
-aspect_ratios = []
-counted, timed = {"jacrev": [], "jacfwd": []}, {"jacrev": [], "jacfwd": []}
-for inputs in sweep_inputs:
-    outputs = tall_inputs * tall_outputs // inputs
-    args = random_layer(inputs, outputs)
-    aspect_ratios.append(outputs / inputs)
-    line = f"{inputs:5d} in, {outputs:5d} out:"
-    for name, engine in [("jacrev", jacrev), ("jacfwd", jacfwd)]:
+# Tall, wide, and where they cross
+# --------------------------------
+# For each of the sweep's shapes, from wide to tall, both engines are checked against the
+# formula and timed, and the ratio of their times set beside the ratio of their counted FLOPs.
+timed = {name: [] for name in engines}
+for args, rev, fwd in zip(sweep, *counted.values()):
+    line = f"{args[0].shape[1]:5d} in, {args[0].shape[0]:5d} out:"
+    for name, engine in engines.items():
         jacobian = engine(layer, argnums=2)(*args)
         check_entries(name, jacobian, exact_jacobian64(*args), quiet=True)
-        counted[name].append(products_through_weight(engine, args))
         timed[name].append(median_and_iqr_ms(partial(engine(layer, argnums=2), *args)))
-        ms, iqr = timed[name][-1]
-        line += f"  {name} {ms:7.2f} ms (IQR {iqr:.2f})"
+        ms, iqr, blocks = timed[name][-1]
+        line += f"  {name} {ms:7.2f} ms ({spread(iqr, blocks)})"
     time_ratio = timed["jacfwd"][-1][0] / timed["jacrev"][-1][0]
-    flop_ratio = counted["jacfwd"][-1] / counted["jacrev"][-1]
-    print(f"{line}  jacfwd/jacrev: time {time_ratio:.2f}x, FLOPs {flop_ratio:.2f}x")
+    print(f"{line}  jacfwd/jacrev: time {time_ratio:.2f}x, FLOPs {fwd / rev:.2f}x")
 
 # %%
-# Where do they cross?
-# --------------------
 # Counted in FLOPs, the engines tie at a square Jacobian. For the time, we fit a straight line
 # to ``log(time(jacfwd) / time(jacrev))`` against ``log(outputs / inputs)`` over the whole
 # sweep, rather than look for a sign change between two neighbours, which noise could place
 # anywhere, and take the shape where the line crosses 1. A slope near −1 means the time follows
-# the FLOPs; a shallower slope means a cost that does not grow with the products dominates
-# (probably per-call overhead and how well each engine's matrix shapes suit the kernels; this
-# page does not measure those).
+# the FLOPs; a shallower one means that a cost which does not grow with the products weighs in
+# (this page does not measure which).
 log_aspect = torch.tensor(aspect_ratios, dtype=torch.float64).log()
 log_time_ratio = torch.tensor(
     [fwd[0] / rev[0] for fwd, rev in zip(timed["jacfwd"], timed["jacrev"])],
@@ -316,29 +319,21 @@ METHOD_COLORS = {
     "jacrev(jacfwd)": "#882255",
 }
 fig, (ax_flops, ax_time) = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
-for name in ("jacrev", "jacfwd"):
-    medians = [ms for ms, _ in timed[name]]
-    iqrs = [iqr / 2 for _, iqr in timed[name]]
-    ax_flops.plot(
-        aspect_ratios, counted[name], "o-", color=METHOD_COLORS[name], label=name
-    )
+for name in engines:
+    medians, iqrs, _ = zip(*timed[name])
+    style = {"color": METHOD_COLORS[name], "label": name}
+    ax_flops.plot(aspect_ratios, counted[name], "o-", **style)
     ax_time.errorbar(
-        aspect_ratios,
-        medians,
-        yerr=iqrs,
-        fmt="o-",
-        color=METHOD_COLORS[name],
-        label=name,
+        aspect_ratios, medians, yerr=[q / 2 for q in iqrs], fmt="o-", **style
     )
+if crossover is not None:
+    ax_time.axvline(crossover, color="black", linestyle="--", label="crossover (fit)")
 for ax in (ax_flops, ax_time):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("Jacobian shape: outputs / inputs")
     ax.axvline(1, color="black", linewidth=0.8, linestyle=":")
-if crossover is not None:
-    ax_time.axvline(crossover, color="black", linestyle="--", label="crossover (fit)")
-ax_flops.legend()
-ax_time.legend()
+    ax.legend()
 ax_flops.set_ylabel("products through W (counted)")
 ax_time.set_ylabel(f"median time (ms), {device.type.upper()}")
 ax_flops.set_title("Arithmetic: rows vs columns")
@@ -348,48 +343,93 @@ plt.show()
 # %%
 # Which order for a Hessian?
 # --------------------------
-# The four orders checked above, timed on the 128-input, 32-output layer, with their counted
-# matrix-product FLOPs, both as multiples of ``hessian``'s.
-hessian_flops, hessian_times = {}, {}
+# The four orders, timed on the 128 → 32 layer, beside two counts as multiples of ``hessian``'s:
+# matrix-product FLOPs, and elements written (of every tensor each operation returns, added up
+# by a ``TorchDispatchMode``; checked first: a (4, 5) by (5, 6) product writes 24 elements,
+# ``tanh`` of it 24 more, and its transpose, a view, none).
+
+
+class ElementsWritten(TorchDispatchMode):
+    """Adds up the elements of the tensors that every operation returns, views left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.count += sum(t.numel() for t in tensors)
+        return out
+
+
+def elements_written(call):
+    with ElementsWritten() as counter:
+        call()
+    return counter.count
+
+
+known = torch.randn(4, 5, device=device), torch.randn(5, 6, device=device)
+assert elements_written(lambda: torch.tanh(known[0] @ known[1]).T) == 24 + 24
+
+hessian_flops, hessian_written, hessian_times = {}, {}, {}
 for order, fn in hessian_orders.items():
-    hessian_flops[order] = matmul_flops(partial(fn, hess_weight, hess_bias, hess_x))
-    hessian_times[order] = median_and_iqr_ms(
-        partial(fn, hess_weight, hess_bias, hess_x), min_run_time=0.5
-    )
-for order, (ms, iqr) in hessian_times.items():
-    time_ratio = ms / hessian_times["hessian"][0]
-    flop_ratio = hessian_flops[order] / hessian_flops["hessian"]
+    call = partial(fn, hess_weight, hess_bias, hess_x)
+    hessian_flops[order] = matmul_flops(call)
+    hessian_written[order] = elements_written(call)
+    hessian_times[order] = median_and_iqr_ms(call, min_run_time=0.5)
+for order, (ms, iqr, blocks) in hessian_times.items():
     print(
-        f"{order:>14}: {ms:8.2f} ms (IQR {iqr:.2f} ms), {time_ratio:.2f}x the time "
-        f"and {flop_ratio:.2f}x the FLOPs of hessian"
+        f"{order:>14}: {ms:8.2f} ms ({spread(iqr, blocks)}); against hessian: "
+        f"time {ms / hessian_times['hessian'][0]:.2f}x, "
+        f"FLOPs {hessian_flops[order] / hessian_flops['hessian']:.2f}x, "
+        f"elements written {hessian_written[order] / hessian_written['hessian']:.2f}x"
     )
 
 # %%
-# Are the orders ranked the same way by time and by counted FLOPs? Where they are not, the
-# matrix products are not what sets the time at this size; the rest probably goes to elementwise
-# work and to moving large intermediate tensors, which this page does not measure. The bars
-# below have a logarithmic axis.
+# Picking each engine by the shape it differentiates gives ``hessian``'s order here (the layer
+# is wide; its Jacobian, as a function of ``x``, is tall), yet ``jacfwd(jacfwd)`` counts a
+# fraction of its FLOPs: the rule does not carry over to a composition. Forward mode pushes its
+# basis through ``W`` first, and ``W e_k`` does not depend on ``x``, so the outer forward pass
+# meets ``x`` only in the elementwise ``tanh``. Reverse mode multiplies by ``W`` after
+# ``tanh``'s derivative ``1 − f²``, which depends on ``x``, so the outer pass pushes each of its
+# 128 tangents through that product for each of the 32 rows: 4096 vectors through ``W``. In the
+# counting section's unit, one vector through ``W``:
+unit = 2 * hess_weight.numel()
+print({order: round(flops / unit) for order, flops in hessian_flops.items()})
+# hessian: those 4096 and a few more; jacfwd(jacfwd): three 128-row products, four single rows.
+assert hessian_flops["hessian"] >= 128 * 32 * unit
+assert hessian_flops["jacfwd(jacfwd)"] <= (3 * 128 + 4) * unit
+
+# %%
+# Are the orders ranked by time as by either count? The counts are exact; the time is this
+# run's, and orders with close times can swap. The elements written include elementwise work
+# and copies, which the FLOP counter leaves out. The bars have a logarithmic axis.
 by_time = sorted(hessian_times, key=lambda order: hessian_times[order][0])
 print("fastest to slowest:", ", ".join(by_time))
-print("fewest to most FLOPs:", ", ".join(sorted(hessian_flops, key=hessian_flops.get)))
-fig, ax = plt.subplots(figsize=(7, 2.8), layout="constrained")
-time_ratios = [ms / hessian_times["hessian"][0] for ms, _ in hessian_times.values()]
+for what, counts in [("FLOPs", hessian_flops), ("elements written", hessian_written)]:
+    by_count = sorted(counts, key=counts.get)
+    same = "the same as the time's" if by_count == by_time else "not the time's"
+    print(f"fewest to most {what}: {', '.join(by_count)}; {same}")
+fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
+time_ratios = [ms / hessian_times["hessian"][0] for ms, _, _ in hessian_times.values()]
 # jacfwd(jacfwd) and jacrev(jacrev) take the colour of their single engine.
 order_colors = [
-    METHOD_COLORS[colour]
-    for colour in ("hessian", "jacfwd", "jacrev", "jacrev(jacfwd)")
+    METHOD_COLORS[c] for c in ("hessian", "jacfwd", "jacrev", "jacrev(jacfwd)")
 ]
 bars = ax.barh(list(hessian_times), time_ratios, color=order_colors)
 ax.bar_label(
     bars,
     labels=[
-        f"{t:.2f}x time, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs"
+        f"{t:.2f}x time, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs, "
+        f"{hessian_written[o] / hessian_written['hessian']:.2f}x written"
         for o, t in zip(hessian_times, time_ratios)
     ],
     padding=4,
 )
 ax.set_xscale("log")
-ax.set_xlim(min(time_ratios) / 2, max(time_ratios) * 30)
+ax.set_xlim(min(time_ratios) / 2, max(time_ratios) * 300)
 ax.invert_yaxis()
 ax.set_xlabel("median time, as a multiple of hessian's")
 ax.set_title("Hessian of a 128 → 32 layer: (32, 128, 128) entries")
@@ -404,6 +444,7 @@ plt.show()
 #   ``vmap``: the counted FLOPs follow outputs and inputs exactly.
 # * Counted in FLOPs, tall Jacobians favour ``jacfwd`` and wide ones ``jacrev``; the time sets
 #   the crossover, so time both engines on your own shapes, as the sweep does.
-# * ``hessian`` is ``jacfwd(jacrev(f))``. All four orders agree entry by entry, but their
-#   counted FLOPs differ widely and need not rank them as the time does: time the orders on
-#   your own function.
+# * ``hessian`` is ``jacfwd(jacrev(f))``. All four orders agree entry by entry, but choosing
+#   each engine by its own shape does not pick the cheapest composition (here ``jacfwd(jacfwd)``
+#   counts fewer FLOPs), and FLOPs need not rank them as the time does: count and time the
+#   orders on your own function.
