@@ -177,8 +177,8 @@ within_bound("Hessian, from the same jacfwd call", hessians, ref_hessians, 1.5e-
 # %%
 # The loop differentiates the same network; a central finite difference checks the
 # derivatives themselves, without autograd. In float64 (``functional_call`` accepts float64
-# parameters for the float32 module), at one point, with steps ``h`` where the truncation and
-# the rounding errors are both small:
+# parameters for the float32 module), at one point, with steps ``h`` small enough that rounding
+# dominates: the bounds are five times rounding's ``ε|u|/h`` and ``4ε|u|/h²``, not fitted:
 # ``u_t ≈ (u(x, t + h) − u(x, t − h)) / 2h`` (``u_x`` likewise) and
 # ``u_xx ≈ (u(x + h, t) − 2u(x, t) + u(x − h, t)) / h²``.
 params64 = {name: p.to("cpu", torch.float64) for name, p in untrained.items()}
@@ -195,8 +195,14 @@ by_difference = {
     "u_t": (at(x0, t0 + h1) - at(x0, t0 - h1)) / (2 * h1),
     "u_xx": (at(x0 + h2, t0) - 2 * at(x0, t0) + at(x0 - h2, t0)) / h2**2,
 }
-for name, fn, bound in (("u_x", u_x, 5e-13), ("u_t", u_t, 5e-12), ("u_xx", u_xx, 3e-9)):
-    got = fn(x0, t0, params64)
+rounding = torch.finfo(torch.float64).eps * max(1.0, abs(at(x0, t0).item()))
+bounds = {
+    "u_x": 5 * rounding / h1,
+    "u_t": 5 * rounding / h1,
+    "u_xx": 20 * rounding / h2**2,
+}
+for name, fn in (("u_x", u_x), ("u_t", u_t), ("u_xx", u_xx)):
+    got, bound = fn(x0, t0, params64), bounds[name]
     within_bound(
         f"{name} in float64 vs a finite difference", got, by_difference[name], bound
     )
@@ -232,7 +238,7 @@ model.zero_grad()
 pinn_loss(dict(model.named_parameters())).backward()
 for (name, p), reference in zip(model.named_parameters(), ref_grads):
     scale = reference.abs().max().item()
-    within_bound(f"d loss / d {name}", p.grad, reference, 5e-7 * scale)
+    within_bound(f"d loss / d {name}", p.grad, reference, 1e-6 * scale)
 
 # %%
 # Training: Adam, then L-BFGS
