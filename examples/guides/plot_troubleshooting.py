@@ -320,6 +320,18 @@ roots = torch.stack([newton(a) for a in rights])
 agree("Newton, 40 steps + torch.where", vmap(newton)(rights, steps=40), roots, 1e-15)
 slopes = vmap(grad(newton))(rights, steps=40)
 agree("Newton, derivative", slopes, 1 / (3 * roots**2 + 1), 1e-10)
+# A trap in torch.where: the branch not taken is still differentiated, and a NaN there (0 times
+# an infinite slope) poisons the gradient. Keep both branches finite: where the input as well.
+sqrt_or_zero = lambda x: torch.where(x > 0, x.sqrt(), 0.0)  # noqa: E731
+safe = lambda x: torch.where(x > 0, torch.where(x > 0, x, 1.0).sqrt(), 0.0)  # noqa: E731
+points = torch.tensor([0.0, 4.0], **f64)
+assert vmap(grad(sqrt_or_zero))(points)[0].isnan()  # d√x at 0 is infinite, times 0: NaN
+agree(
+    "torch.where, input guarded too",
+    vmap(grad(safe))(points),
+    torch.tensor([0, 0.25], **f64),
+    1e-15,
+)
 
 # %%
 # vmap: It looks like you're calling .item() on a Tensor
