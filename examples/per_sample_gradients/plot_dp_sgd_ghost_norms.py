@@ -277,7 +277,8 @@ else:
 # one call of each method; the largest running total of bytes allocated since the call began
 # is its peak (on a GPU, the allocator's peak statistics). The materialised way must hold the
 # B·P per-sample gradient floats, so its peak must be at least their bytes, counted; the
-# ghost methods never form them, so theirs must be below. Ghost clipping runs two passes; its
+# ghost methods never form them: theirs must stay within twice an ordinary step's, far below
+# even one layer's per-sample gradients. Ghost clipping runs two passes; its
 # first, ``ghost_norms`` keeping the graph, is also measured alone, to see which pass sets the
 # peak (the second forms the parameter gradients, as an ordinary step does).
 import gc
@@ -324,7 +325,10 @@ for name, peak in step_peaks.items():
     print(f"{name:15s} peak {peak / 2**20:7.2f} MiB")
 print(f"B·P per-sample floats: {per_sample_bytes / 2**20:.1f} MiB")
 assert step_peaks["vmap"] >= per_sample_bytes
-assert max(step_peaks["ghost clipping"], step_peaks["book-keeping"]) < per_sample_bytes
+assert (
+    max(step_peaks["ghost clipping"], step_peaks["book-keeping"])
+    < 2 * step_peaks["batched"]
+)
 first_pass = peak_bytes(lambda: ghost_norms(model, inputs, targets))
 in_first = step_peaks["ghost clipping"] - first_pass < 0.01 * first_pass
 print(
