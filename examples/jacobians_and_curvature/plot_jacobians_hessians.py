@@ -303,15 +303,15 @@ print(
 crossover = torch.exp(-fit_intercept / fit_slope).item() if fit_slope < 0 else None
 if crossover is None or not min(aspect_ratios) <= crossover <= max(aspect_ratios):
     crossover = None
-    print("no crossover inside the sweep: one engine wins at every shape here")
+    print("the fitted line does not cross 1 inside the sweep")
 else:
     print(
         f"jacfwd and jacrev take the same time at about {crossover:.2g} outputs per input"
     )
 
 # %%
-# On the left, the counted products; on the right, the measured times with their IQR. Where
-# the right panel's lines cross is the crossover on this hardware.
+# On the left, the counted products; on the right, the measured times with their IQR, whose
+# lines may cross more than once where noise is larger than the gap.
 METHOD_COLORS = {
     "jacrev": "#0072B2",
     "jacfwd": "#E69F00",
@@ -350,18 +350,23 @@ plt.show()
 
 
 class ElementsWritten(TorchDispatchMode):
-    """Adds up the elements of the tensors that every operation returns, views left out."""
+    """Adds up the elements each operation writes: its outputs, less those that share an
+    input's storage (views, ``_unsafe_view``, in place) or have none (zero tensors)."""
 
-    def __init__(self):
-        super().__init__()
-        self.count = 0
+    count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.count += sum(t.numel() for t in tensors)
+        read = {address for address, _ in storages(args, kwargs)} | {0}
+        self.count += sum(n for address, n in storages(out) if address not in read)
         return out
+
+
+def storages(
+    *trees,
+):  # (storage address, elements) of each tensor; 0: a zero tensor's none
+    return [(0 if t._is_zerotensor() else t.untyped_storage().data_ptr(), t.numel())
+            for t in tree_leaves(trees) if isinstance(t, torch.Tensor)]  # fmt: skip
 
 
 def elements_written(call):
@@ -371,7 +376,8 @@ def elements_written(call):
 
 
 known = torch.randn(4, 5, device=device), torch.randn(5, 6, device=device)
-assert elements_written(lambda: torch.tanh(known[0] @ known[1]).T) == 24 + 24
+flat = lambda: torch.tanh(known[0] @ known[1]).T.flatten().reshape(6, 4)  # noqa: E731
+assert elements_written(flat) == 24 + 24 + 24  # mm, tanh, flatten's copy; views count 0
 
 hessian_flops, hessian_written, hessian_times = {}, {}, {}
 for order, fn in hessian_orders.items():
@@ -390,12 +396,11 @@ for order, (ms, iqr, blocks) in hessian_times.items():
 # %%
 # Picking each engine by the shape it differentiates gives ``hessian``'s order here (the layer
 # is wide; its Jacobian, as a function of ``x``, is tall), yet ``jacfwd(jacfwd)`` counts a
-# fraction of its FLOPs: the rule does not carry over to a composition. Forward mode pushes its
-# basis through ``W`` first, and ``W e_k`` does not depend on ``x``, so the outer forward pass
-# meets ``x`` only in the elementwise ``tanh``. Reverse mode multiplies by ``W`` after
-# ``tanh``'s derivative ``1 − f²``, which depends on ``x``, so the outer pass pushes each of its
-# 128 tangents through that product for each of the 32 rows: 4096 vectors through ``W``. In the
-# counting section's unit, one vector through ``W``:
+# fraction of its FLOPs: the rule does not carry over to a composition. Reverse mode multiplies
+# by ``W`` after ``tanh``'s derivative ``1 − f²``, which depends on ``x``, so ``hessian``'s outer
+# pass pushes each of its 128 tangents through that product for each of the 32 rows: 4096
+# vectors through ``W``. ``jacfwd(jacfwd)`` pushes its 128 tangents through ``W`` three times
+# (one of them multiplies the weight's all-zero tangent). In one vector through ``W``:
 unit = 2 * hess_weight.numel()
 print({order: round(flops / unit) for order, flops in hessian_flops.items()})
 # hessian: those 4096 and a few more; jacfwd(jacfwd): three 128-row products, four single rows.
@@ -419,15 +424,10 @@ order_colors = [
     METHOD_COLORS[c] for c in ("hessian", "jacfwd", "jacrev", "jacrev(jacfwd)")
 ]
 bars = ax.barh(list(hessian_times), time_ratios, color=order_colors)
-ax.bar_label(
-    bars,
-    labels=[
-        f"{t:.2f}x time, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs, "
-        f"{hessian_written[o] / hessian_written['hessian']:.2f}x written"
-        for o, t in zip(hessian_times, time_ratios)
-    ],
-    padding=4,
-)
+ax.bar_label(bars, padding=4, labels=[
+    f"{t:.2f}x time, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs, "
+    f"{hessian_written[o] / hessian_written['hessian']:.2f}x written"
+    for o, t in zip(hessian_times, time_ratios)])  # fmt: skip
 ax.set_xscale("log")
 ax.set_xlim(min(time_ratios) / 2, max(time_ratios) * 300)
 ax.invert_yaxis()
