@@ -319,10 +319,9 @@ for name, fn in methods.items():
     fn()  # warm-up
     timer = benchmark.Timer("run()", globals={"run": fn}, num_threads=threads)
     measured = [timer.blocked_autorange(min_run_time=0.3)]
-    while (
-        sum(len(m.times) for m in measured) < 5
-    ):  # a slow call: more blocks, for a spread
-        measured.append(timer.timeit(measured[0].number_per_run))
+    if len(measured[0].times) < 4:  # a slow call: about four more blocks, for a spread
+        block = measured[0].median * measured[0].number_per_run
+        measured.append(timer.blocked_autorange(min_run_time=4 * block))
     times[name] = benchmark.Measurement.merge(measured)[0]
     median_ms, iqr_ms = times[name].median * 1e3, spread_ms(times[name].iqr)
     blocks = len(times[name].times)
@@ -339,22 +338,31 @@ print(
 
 
 # %%
-# Where does ``vmap`` spend the time above the batched pass? :mod:`torch.profiler` records one
-# call of each; the operations that gained the most time are printed below.
-def time_by_op_ms(fn):
-    with profile() as prof:
+# Which operations form ``vmap``'s per-sample weight gradients? :mod:`torch.profiler`, with
+# input shapes recorded, finds them: for each linear layer a ``bmm`` of B outer products, and
+# for each convolution a ``convolution_backward`` with one group per sample (its weight has
+# ``B × out`` channels). The batched pass runs none of them (both asserted). Their times are
+# from one profiled call, and vary from call to call.
+def per_sample_ops(fn):  # (operation, input shapes, self time in ms), one call
+    with profile(record_shapes=True) as prof:
         fn()
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return {event.key: getattr(event, key) / 1e3 for event in prof.key_averages()}
+    grouped = {batch_size * conv.out_channels for conv in (model.conv1, model.conv2)}
+    found = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        bmm = e.key == "aten::bmm" and e.input_shapes[0][0] == batch_size
+        conv = e.key == "aten::convolution_backward" and e.input_shapes[2][0] in grouped
+        if bmm or conv:
+            found.append((e.key, e.input_shapes, getattr(e, key) / 1e3))
+    return found
 
 
-vmap_ops, batched_ops = time_by_op_ms(methods["vmap"]), time_by_op_ms(batched_backward)
-gains = {op: ms - batched_ops.get(op, 0.0) for op, ms in vmap_ops.items()}
-for op in sorted(gains, key=gains.get, reverse=True)[:3]:
-    print(
-        f"{op:22s} one profiled call: vmap {vmap_ops[op]:6.1f} ms, "
-        f"batched {batched_ops.get(op, 0):6.1f} ms"
-    )
+vmap_ops = per_sample_ops(methods["vmap"])
+names = sorted(op for op, _, _ in vmap_ops)
+assert names == ["aten::bmm"] * 2 + ["aten::convolution_backward"] * 2, names
+assert per_sample_ops(batched_backward) == []
+for op, shapes, ms in vmap_ops:
+    print(f"{op:27s} one profiled call: {ms:6.1f} ms, inputs {shapes[:3]}")
 gap = times["vmap"].median - times["batched"].median
 print(
     f"vmap minus batched: {gap * 1e3:.1f} ms (IQRs {spread_ms(times['vmap'].iqr)} and "
@@ -388,12 +396,12 @@ plt.show()
 # loop pays the fixed price of each operation (Python, PyTorch's dispatcher, on a GPU a kernel
 # launch) once per sample instead of once per batch. That price is probably a larger share of
 # a GPU's loop time than of a CPU's, where a single-image convolution takes longer; on a
-# shared CPU, other processes move both times too (:doc:`/reading-timings`). Any time ``vmap``
-# spends above the batched pass sits in the operations the profiler lists. They compute the
-# per-sample weight gradients, probably as many smaller products (a batched matrix product for
-# a linear layer, a grouped convolution for a convolution) instead of one large one. Writing
-# the B·P floats of the answer would explain the printed share of that gap; the rest is
-# probably those smaller products using the hardware less well than one large one.
+# shared CPU, other processes move both times too (:doc:`/reading-timings`). Where the batched
+# pass forms each weight gradient with one large product summed over the batch, ``vmap`` runs
+# the operations listed above, which keep the batch: B outer products in a ``bmm``, B groups in
+# a convolution. Writing the B·P floats of the answer would explain the printed share of the
+# gap; that those operations use the hardware less well than one large product is a likely
+# rest, which the page does not measure.
 
 # %%
 # What to remember
@@ -406,4 +414,4 @@ plt.show()
 #   by far more than rounding; find such samples before setting a bound.
 # - Clip with a threshold fixed in advance, never one computed from the batch.
 # - Time per-sample methods against two yardsticks, one batched backward and writing B·P
-#   floats, and profile to see which operations take the time above them.
+#   floats; profile with shapes recorded to see which operations keep the batch dimension.

@@ -5,10 +5,9 @@ Which transform do I need?
 Start from what you want to compute, and this page gives the ``torch.func`` recipe for it:
 per-sample gradients, a tall and a wide Jacobian, a Hessian, a Hessian-vector product, a batch
 of Jacobians, per-sample Jacobians with respect to parameters and the neural tangent kernel
-they build, an ensemble of models, and many Jacobian-vector products at one point. Each recipe
-runs on one small classifier and is checked against a reference that does not use it (a loop
-of plain autograd, or a closed form), and each section names the page that teaches it in
-depth; at the end, the recipes are timed, their arithmetic counted and their results sized.
+they build, an ensemble of models, and many Jacobian-vector products at one point. Each runs
+on one small classifier, is checked against a reference that does not use it (plain autograd
+or a closed form) and names the page that teaches it; at the end, all are timed and counted.
 """
 
 # %%
@@ -80,14 +79,11 @@ def relative_error(result, reference):
     return ((result - reference).norm() / reference.norm()).item()
 
 
-loop_grads = {name: [] for name in named}
-for x, y in zip(inputs, labels, strict=True):
-    loss = F.cross_entropy(model(x[None]), y[None])
-    grads = torch.autograd.grad(loss, list(named.values()))
-    for name, g in zip(named, grads, strict=True):
-        loop_grads[name].append(g)
+losses = [F.cross_entropy(model(x[None]), y[None]) for x, y in zip(inputs, labels)]
+rows = [torch.autograd.grad(loss, list(named.values())) for loss in losses]
+loop_grads = dict(zip(named, map(torch.stack, zip(*rows))))
 assert per_sample.keys() == loop_grads.keys()
-errors = {n: relative_error(per_sample[n], torch.stack(loop_grads[n])) for n in named}
+errors = {n: relative_error(per_sample[n], loop_grads[n]) for n in named}
 print(f"per-sample gradients: worst relative error {max(errors.values()):.1e}")
 assert max(errors.values()) < 1e-5, errors
 recipes["per-sample gradients"] = lambda: per_sample_grads(params, inputs, labels)
@@ -129,11 +125,10 @@ wide_reference = {"weight": torch.einsum("ij,k->ijk", eye, features), "bias": ey
 for transform in (jacrev, jacfwd):
     wide = transform(head_logits)(head_params, features)
     assert wide.keys() == wide_reference.keys()
-    for name, jac in wide.items():
-        difference = (jac - wide_reference[name]).abs().max().item()
-        print(f"wide Jacobian, {name} {tuple(jac.shape)} by {transform.__name__}: "
-              f"largest difference from the closed form {difference:.1e}")  # fmt: skip
-        assert difference < 1e-6, name
+    difference = max((wide[n] - wide_reference[n]).abs().max().item() for n in wide)
+    print(f"wide Jacobian by {transform.__name__}, weight and bias: largest difference "
+          f"from the closed form {difference:.1e}")  # fmt: skip
+    assert difference < 1e-6, transform
 recipes["wide Jacobian, jacrev"] = lambda: jacrev(head_logits)(head_params, features)
 recipes["wide Jacobian, jacfwd"] = lambda: jacfwd(head_logits)(head_params, features)
 
@@ -149,9 +144,8 @@ def input_loss(x):
 
 
 input_hessian = hessian(input_loss)(x0)
-hessian_error = relative_error(
-    input_hessian, torch.autograd.functional.hessian(input_loss, x0)
-)
+hessian_reference = torch.autograd.functional.hessian(input_loss, x0)
+hessian_error = relative_error(input_hessian, hessian_reference)
 print(f"Hessian {tuple(input_hessian.shape)}: relative error {hessian_error:.1e}")
 assert hessian_error < 1e-5
 recipes["Hessian"] = lambda: hessian(input_loss)(x0)
@@ -163,10 +157,9 @@ recipes["Hessian"] = lambda: hessian(input_loss)(x0)
 # *Taught in*
 # :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`.
 # The Hessian of the loss with respect to the head's parameters, times a vector, without
-# forming the Hessian: ``jvp`` of ``grad``, forward over reverse. For cross-entropy on a linear
-# head it has a closed form: with probabilities ``p`` and the logits' change
-# ``d = V f + v_b``, the logits' curvature gives ``h = p * d - p (p · d)``, and the product is
-# ``(outer(h, f), h)``.
+# forming the Hessian: ``jvp`` of ``grad``, forward over reverse. On a linear head it has a
+# closed form: with probabilities ``p`` and the logits' change ``d = V f + v_b``, the logits'
+# curvature gives ``h = p * d - p (p · d)``, and the product is ``(outer(h, f), h)``.
 def head_loss(p):
     return F.cross_entropy(head_logits(p, features)[None], labels[:1])
 
@@ -187,6 +180,7 @@ for name in hvp_reference:
     assert error < 1e-5, name
 recipes["Hessian-vector product"] = lambda: hvp(head_params, direction)
 
+
 # %%
 # A Jacobian for every sample of a batch
 # --------------------------------------
@@ -203,48 +197,55 @@ print(f"batch Jacobians {tuple(batch_jacobians.shape)}: worst sample {batch_erro
 assert batch_error < 1e-5
 recipes["batch Jacobians"] = lambda: vmap(jacrev(model))(inputs)
 
+
 # %%
 # Per-sample Jacobians with respect to the parameters, and the NTK
 # ----------------------------------------------------------------
 # *Taught in*
 # :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_per_sample_param_jacobians.py`
 # and :ref:`sphx_glr_auto_examples_models_as_functions_plot_neural_tangent_kernel.py`.
-# ``vmap(jacrev(...))`` over samples, differentiating the head's logits with respect to its
-# parameters. Contracting two samples' Jacobians over the parameters gives the empirical
-# neural tangent kernel, here its trace over the logits. For the linear head both have closed
-# forms: the Jacobians are the wide Jacobian above for each sample, and the kernel between
-# samples ``a`` and ``b`` is ``10 (f_a · f_b + 1)``.
+# ``vmap(jacrev(...))`` over samples, differentiating the head's log-probabilities with respect
+# to its parameters. Contracting two samples' Jacobians over the parameters gives the empirical
+# neural tangent kernel, a 10 × 10 block per pair of samples. Both have closed forms: log
+# ``p_i`` has slope ``δ_ik - p_k`` in logit ``k``, which has slope ``f`` in weight row ``k`` and
+# 1 in bias ``k``; block ``(a, b)`` is ``(f_a · f_b + 1)(δ_ij - p_b[i] - p_a[j] + p_a · p_b)``.
+def head_log_probs(p, f):
+    return head_logits(p, f).log_softmax(-1)
+
+
 batch_features = model.encoder(inputs).detach()
-param_jacobians = vmap(jacrev(head_logits), in_dims=(None, 0))
+param_jacobians = vmap(jacrev(head_log_probs), in_dims=(None, 0))
 
 
-def ntk_trace(p, f):
+def ntk(p, f):
     jac = param_jacobians(p, f)
     flat = torch.cat([j.flatten(start_dim=2) for j in jac.values()], dim=2)
-    return torch.einsum("aip,bip->ab", flat, flat)
+    return torch.einsum("aip,bjp->abij", flat, flat)
 
 
-per_sample_jac = param_jacobians(head_params, batch_features)
-expected_weight = torch.einsum("ij,bk->bijk", eye, batch_features)
-torch.testing.assert_close(per_sample_jac["weight"], expected_weight, rtol=0, atol=1e-6)
-torch.testing.assert_close(per_sample_jac["bias"], eye.expand(batch_size, 10, 10))
-kernel = ntk_trace(head_params, batch_features)
-kernel_reference = 10 * (batch_features @ batch_features.T + 1)
+p_b = head_logits(head_params, batch_features).softmax(-1)  # (sample, class)
+slope = eye - p_b[:, None, :]  # [sample, i, k]
+weight_jac = torch.einsum("bik,bl->bikl", slope, batch_features)
+jac_reference = {"weight": weight_jac, "bias": slope}
+torch.testing.assert_close(param_jacobians(head_params, batch_features), jac_reference)
+kernel = ntk(head_params, batch_features)
+gram, overlap = batch_features @ batch_features.T + 1, p_b @ p_b.T
+blocks = eye - p_b[None, :, :, None] - p_b[:, None, None, :] + overlap[:, :, None, None]
+kernel_reference = gram[:, :, None, None] * blocks
 print(f"NTK {tuple(kernel.shape)}: relative error "
       f"{relative_error(kernel, kernel_reference):.1e}")  # fmt: skip
-torch.testing.assert_close(kernel, kernel_reference)  # every entry
+torch.testing.assert_close(kernel, kernel_reference)  # every entry of every block
 recipes["per-sample parameter Jacobians"] = lambda: param_jacobians(
     head_params, batch_features
 )
-recipes["NTK (trace)"] = lambda: ntk_trace(head_params, batch_features)
+recipes["NTK (full blocks)"] = lambda: ntk(head_params, batch_features)
 
 # %%
 # An ensemble of models in one call
 # ---------------------------------
 # *Taught in* :ref:`sphx_glr_auto_examples_models_as_functions_plot_model_ensembling.py`.
 # :func:`~torch.func.stack_module_state` stacks eight models' weights; ``vmap`` over
-# ``functional_call`` runs all eight on the same batch. Each member, run alone, is the
-# reference.
+# ``functional_call`` runs all eight on the same batch. Each member, run alone, is the reference.
 members = [classifier().to(device) for _ in range(8)]
 stacked, stacked_buffers = stack_module_state(members)
 template = classifier().to("meta")  # shapes only: its own weights are never used
@@ -268,14 +269,14 @@ recipes["ensemble of 8"] = lambda: ensemble(stacked, stacked_buffers, inputs)
 # :func:`~torch.func.linearize` returns the output at ``x0`` and a function that applies the
 # Jacobian at ``x0`` to any tangent. PyTorch's documentation says it evaluates the model twice
 # (once for the output, once to trace the products into a graph); a forward hook counts the
-# model's calls below. The two combine: ``vmap(jvp_at_x0)`` pushes all tangents through the
-# linearized function in one call. The reference is the Jacobian from ``torch.autograd``, times
-# each tangent; ``vjp`` checks the transpose, ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``.
+# model's calls, and the arithmetic, first call included, is counted at the end. The two
+# combine: ``vmap(jvp_at_x0)`` pushes all tangents through the linearized function in one call.
+# The reference is ``torch.autograd``'s Jacobian times each tangent; ``vjp`` checks the
+# transpose, ``⟨u, J t⟩ = ⟨Jᵀ u, t⟩``. (linearize's tracer warns about an internal constant.)
+warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
 model_calls = []
 hook = model.register_forward_hook(lambda *_: model_calls.append(1))
-with warnings.catch_warnings():  # linearize's tracer warns about an internal constant
-    warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-    _, jvp_at_x0 = linearize(model, x0)
+_, jvp_at_x0 = linearize(model, x0)
 print(f"linearize called the model {len(model_calls)} times")
 assert len(model_calls) == 2
 tangents = torch.randn(16, 16, device=device)
@@ -309,13 +310,11 @@ torch.testing.assert_close(products["linearize"] @ u, tangents @ pullback(u)[0])
 # How fast is it, and how much arithmetic?
 # ----------------------------------------
 # Each recipe is timed with :class:`torch.utils.benchmark.Timer` (median and interquartile
-# range, IQR, over its blocks) and its result sized by counting its bytes. Its arithmetic is
-# counted by a dispatch mode that adds up torch's own FLOP formulas (those of
-# ``FlopCounterMode``: matrix products; elementwise operations have none) over the operations
-# that run. Such a mode sees them below the transforms, so a product under ``vmap`` counts once,
-# as the batched product that runs; the profiler's FLOP column would count both the transform's
-# operation and the one it becomes. (``FlopCounterMode`` itself, whose module tracking hooks
-# into autograd, raises an error under ``jacrev`` of a module in this version.)
+# range, IQR, over its blocks) and its result's bytes counted. A dispatch mode adds up torch's
+# FLOP formulas (``FlopCounterMode``'s: matrix products, none for elementwise operations) over
+# the operations that run, below the transforms: a product under ``vmap`` counts once, as the
+# batched product that runs (the profiler's FLOP column would add the transform's operation).
+# ``FlopCounterMode`` itself, whose module tracking hooks into autograd, fails under ``jacrev``.
 class CountFlops(TorchDispatchMode):
     total = 0
 
@@ -359,9 +358,8 @@ for name, call in recipes.items():
 # %%
 # The counts can be checked, unlike the times: each equals a closed form in passes through the
 # layers, at ``2 · inputs · outputs`` FLOPs per linear layer and pass. Forward mode runs two
-# passes more than its tangents: the primal one, and one through the tangent of the tensor
-# that has none (a weight, or the head's input), which it materialises as zeros and multiplies
-# (PyTorch issue #69687).
+# passes more than its tangents: the primal one, and one through the zero tangent it
+# materialises and multiplies for a tensor that has none (PyTorch issue #69687).
 def pass_flops(*layers):
     return sum(2 * layer.in_features * layer.out_features for layer in layers)
 
@@ -377,33 +375,47 @@ expected = {  # the primal or forward pass, one pass per vector, and the zero ta
     "wide Jacobian, jacfwd": (1 + head_size + 1) * head_pass,
     "ensemble of 8": 8 * batch_size * model_pass,
     "16 JVPs, loop of jvp": tangent_count * (1 + 1 + 1) * model_pass,
-    "16 JVPs, linearize": tangent_count * model_pass,  # only the tangent products
+    "16 JVPs, linearize": tangent_count * model_pass,  # after its first call
     "16 JVPs, vmap(linearize)": tangent_count * model_pass,
     "16 JVPs, vmap(jvp)": (1 + tangent_count + 1) * model_pass,
 }
 for name, count in expected.items():
     assert flops[name] == count, f"{name}: counted {flops[name]:,}, expected {count:,}"
 print(f"{len(expected)} FLOP counts equal their closed forms")
+counts = [CountFlops() for _ in range(3)]  # linearize, its first call, a later call
+with counts[0]:
+    _, fresh_jvp = linearize(model, x0)
+for counter, t in zip(counts[1:], tangents):
+    with counter:
+        fresh_jvp(t)
+passes = [counter.total // model_pass for counter in counts]
+assert passes == [4, 3, 1], passes  # the output, then forward mode's three; folded once
+end_to_end = passes[0] + passes[1] + (tangent_count - 1) * passes[2]
+print(f"linearize, in model passes: {passes} to build, first call, later call; "
+      f"{tangent_count} tangents end to end {end_to_end}, by vmap(jvp) "
+      f"{flops['16 JVPs, vmap(jvp)'] // model_pass}")  # fmt: skip
 pairs = [("tall Jacobian, jacrev", "tall Jacobian, jacfwd"),
          ("wide Jacobian, jacfwd", "wide Jacobian, jacrev")]  # fmt: skip
-pairs += [(f"16 JVPs, {m}", "16 JVPs, linearize") for m in ("loop of jvp", "vmap(jvp)")]
-pairs += [("16 JVPs, vmap(linearize)", "16 JVPs, linearize")]
-for slow, fast in pairs:
-    print(f"{slow} takes {timings[slow].median / timings[fast].median:.2f}x the time of "
-          f"{fast.split(', ')[1]}, and {flops[slow] / flops[fast]:.2f}x its FLOPs")  # fmt: skip
+jvp_methods = ("loop of jvp", "vmap(jvp)", "vmap(linearize)")
+pairs += [(f"16 JVPs, {m}", "16 JVPs, linearize") for m in jvp_methods]
+for slow, fast in pairs:  # words chosen by the ratio, which may come out either way
+    r = timings[slow].median / timings[fast].median
+    pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+    print(f"{slow} {pace} {fast.split(', ')[1]}, "
+          f"with {flops[slow] / flops[fast]:.2f}x its FLOPs")  # fmt: skip
 
 # %%
 # The counts say which mode to pick for a Jacobian: the mode that pushes or pulls fewer
 # vectors does less arithmetic, by the factor printed. The time follows it where the arithmetic
 # is large; at these small sizes, fixed costs per call can decide instead (the Jacobians page
-# measures where the two cross over). For the 16 products, a loop of ``jvp`` runs three
-# passes per tangent (primal, tangent, zero tangent); the function ``linearize`` built runs
-# only the tangent pass (its row times the 16 products, not ``linearize`` itself); and
-# ``vmap(jvp)`` runs the other two passes once for all 16. Where the time ratio exceeds the FLOP
-# ratio, the rest is probably per-call overhead (Python, the module calls).
-#
-# The figure shows the times on a logarithmic axis, each bar coloured by the transform that
-# does the work.
+# measures where the two cross over). For the 16 products, a loop of ``jvp`` runs three passes
+# per tangent (primal, tangent, zero tangent); ``vmap(jvp)`` runs the other two once for all.
+# ``linearize`` runs four passes to build its function, whose first call folds what does not
+# depend on the tangent (torch.fx's constant folding, three passes); later calls run one. Its
+# rows count and time later calls only: end to end, the counts favour ``vmap(jvp)`` for
+# tangents known together, ``linearize`` over a loop of ``jvp`` for tangents that come one at a
+# time. A time ratio above the FLOP ratio is probably per-call overhead (Python, module calls).
+# The figure shows the times on a log axis, each bar coloured by the transform doing the work.
 METHOD_COLORS = {
     "vmap": "#009E73", "jacfwd": "#E69F00", "jacrev": "#0072B2", "hessian": "#56B4E9",
     "forward-over-reverse": "#EE3377", "loop": "#D55E00", "linearize": "#CC3311",
@@ -417,21 +429,13 @@ bar_method = dict.fromkeys(recipes, "vmap") | {  # the recipes not driven by vma
 }  # fmt: skip
 assert bar_method.keys() == recipes.keys()
 fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
-ax.barh(
-    list(timings),
-    [t.median * 1e3 for t in timings.values()],
-    color=[METHOD_COLORS[bar_method[name]] for name in timings],
-    log=True,
-)
+ax.barh(list(timings), [t.median * 1e3 for t in timings.values()], log=True,
+        color=[METHOD_COLORS[bar_method[name]] for name in timings])  # fmt: skip
 ax.invert_yaxis()
-ax.set_xlabel(f"median time on {device.type.upper()} (ms, log scale)")
-ax.set_title("One model, every recipe")
-ax.legend(
-    handles=[Patch(color=c, label=m) for m, c in METHOD_COLORS.items()],
-    title="does the work",
-    loc="center left",
-    bbox_to_anchor=(1.01, 0.5),
-)
+ax.set(xlabel=f"median time on {device.type.upper()} (ms, log scale)",
+       title="One model, every recipe")  # fmt: skip
+ax.legend(handles=[Patch(color=c, label=m) for m, c in METHOD_COLORS.items()],
+          title="does the work", loc="center left", bbox_to_anchor=(1.01, 0.5))  # fmt: skip
 plt.show()
 
 # %%
@@ -441,6 +445,6 @@ plt.show()
 # - Few inputs, many outputs: ``jacfwd``; few outputs: ``jacrev``. The FLOPs follow the vector
 #   count; the time follows them only where the arithmetic outweighs fixed costs per call.
 # - A Hessian-vector product is ``jvp(grad(f), (p,), (v,))``, with no Hessian formed.
-# - ``linearize`` runs the model twice, then only tangent products; ``vmap`` over its function
-#   or over ``jvp`` batches known tangents. Forward mode also multiplies zero tangents.
+# - ``linearize`` costs passes up front (to build, then on its first call), only tangent
+#   products after; for known tangents, ``vmap(jvp)``. Forward mode also multiplies zeros.
 # - Count FLOPs with a dispatch mode, below the transforms, and check the counts on known cases.
