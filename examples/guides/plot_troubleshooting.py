@@ -104,20 +104,20 @@ agree("grad inside vmap", per_sample, torch.stack(loop), 1e-14)
 # Python number as its auxiliary output, such as the loss as a float for logging.
 
 
-def residuals(w, as_float=True):
-    r = (points @ w).tanh() - 1
+def residuals(w, x, as_float=True):  # x an argument: a compiled function's globals are
+    r = (x @ w).tanh() - 1  # guarded by module, which a gallery's script does not have
     loss = r.detach().square().mean()
     return r, loss.item() if as_float else loss
 
 
 with raises(RuntimeError, "unsupported type <class 'float'>"):
-    jacrev(residuals, has_aux=True)(w)
+    jacrev(residuals, has_aux=True)(w, points)
 # The fix: return the tensor, call .item() outside. Compiled around the transform, that is one
 # graph with no graph break in dynamo's counters (backend="aot_eager" captures graphs without
 # generating code, to keep this page fast). The reference: (1 − tanh²(x·w)) x.
 counters.clear()
 compiled = torch.compile(jacrev(residuals, has_aux=True), backend="aot_eager")
-jac, loss = compiled(w, False)
+jac, loss = compiled(w, points, False)
 graphs, breaks = counters["stats"]["unique_graphs"], len(counters["graph_break"])
 print(f"graphs: {graphs}, graph breaks: {breaks}, logged loss {loss.item():.4f}")
 assert graphs == 1 and breaks == 0

@@ -9,8 +9,7 @@ checked against the dense matrix. It then shows why a Newton solver wants the Ga
 matrix instead of the Hessian: CG needs a positive-definite matrix, the Hessian here is not
 one, and the Gauss-Newton matrix, whose product is a ``jvp`` and a ``vjp`` of the model, is
 positive semi-definite by construction. All products are taken at one θ, so a solver can pay
-the differentiation that depends on θ alone once. How to build the Hessian-vector product, and
-what it costs on a large model, is the sibling page,
+once what depends on θ alone. Building the product, and its cost on a large model:
 :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`.
 """
 
