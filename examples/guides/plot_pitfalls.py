@@ -372,7 +372,7 @@ def sample_loss(params, x, y):
 
 
 per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-compiled_grads = torch.compile(per_sample_grads, dynamic=True)
+compiled_grads = torch.compile(per_sample_grads)
 start = time.perf_counter()
 compiled_result = compiled_grads(net_params, inputs, targets)
 print(f"first call (compiling), measured once: {time.perf_counter() - start:.1f} s")
@@ -389,11 +389,11 @@ for i, (name, result) in enumerate(compiled_result.items()):
     assert error < 2e-6, name
 
 # %%
-# The graph holds for the shapes it was compiled for. Here a short last batch fails its guards
-# even with ``dynamic=True`` (probably the indexing by integer targets in ``cross_entropy``
-# under ``vmap``; a loss without it need not), and dynamo compiles again (``error_on_recompile``
-# shows it without the cost); past ``recompile_limit`` it runs new shapes eagerly. Padding the
-# short batch avoids both: a sample's gradient depends on that sample alone.
+# The graph holds for the shapes it was compiled for. A short last batch fails its guards and
+# dynamo compiles again (``error_on_recompile`` shows it without the cost); past
+# ``recompile_limit`` it runs new shapes eagerly. ``dynamic=True`` need not help: with integer
+# targets, as here, the batch size stays fixed. Padding the short batch avoids both: a sample's
+# gradient depends on that sample alone.
 short_inputs, short_targets = inputs[:32], targets[:32]
 with torch._dynamo.config.patch(error_on_recompile=True):
     expect_error(
