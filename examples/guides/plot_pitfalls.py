@@ -357,21 +357,22 @@ assert counters["stats"]["unique_graphs"] == 0 and "functorch" in reason
 print(f"compiled inside vmap(grad): no graph; dynamo: {reason.splitlines()[0]}")
 
 # %%
-# Around them, ``torch.compile`` compiles the whole composition, here the per-sample gradients
-# of a small MLP, into one graph with no graph break. The reference is one ``autograd.grad``
-# per sample.
+# Around them, ``torch.compile`` compiles the whole composition (per-sample gradients of an
+# MLP) into one graph with no graph break. The reference: one ``autograd.grad`` per sample.
 net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
 net_params = {name: p.detach() for name, p in net.named_parameters()}
 inputs = torch.randn(64, 64, device=device)
 targets = torch.randint(0, 10, (64,), device=device)
 
 
-def sample_loss(params, x, y):
-    logits = functional_call(net, params, (x.unsqueeze(0),))
-    return F.cross_entropy(logits, y.unsqueeze(0))
+def loss_of_one_sample(model):  # a closure, not a global (guarded through its module)
+    def sample_loss(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x[None],)), y[None])
+
+    return sample_loss
 
 
-per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+per_sample_grads = vmap(grad(loss_of_one_sample(net)), in_dims=(None, 0, 0))
 compiled_grads = torch.compile(per_sample_grads)
 start = time.perf_counter()
 compiled_result = compiled_grads(net_params, inputs, targets)
@@ -389,11 +390,10 @@ for i, (name, result) in enumerate(compiled_result.items()):
     assert error < 2e-6, name
 
 # %%
-# The graph holds for the shapes it was compiled for. A short last batch fails its guards and
-# dynamo compiles again (``error_on_recompile`` shows it without the cost); past
-# ``recompile_limit`` it runs new shapes eagerly. ``dynamic=True`` need not help: with integer
-# targets, as here, the batch size stays fixed. Padding the short batch avoids both: a sample's
-# gradient depends on that sample alone.
+# A short last batch fails the graph's guards and dynamo compiles again (``error_on_recompile``
+# shows it without the cost); past ``recompile_limit`` it runs new shapes eagerly. With integer
+# targets, as here, ``dynamic=True`` does not help. Padding the short batch avoids both: a
+# sample's gradient depends on that sample alone.
 short_inputs, short_targets = inputs[:32], targets[:32]
 with torch._dynamo.config.patch(error_on_recompile=True):
     expect_error(
