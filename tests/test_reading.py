@@ -194,6 +194,11 @@ def test_the_repeat_count_sees_a_helper_copied_into_three_pages():
         "return timer.blocked_autorange().median * 1e3": 3,
     }
     assert repeated_lines(pages[:2]) == {}
+    # The opening cell every page copies on purpose is not counted; a helper beside it is.
+    opening = "\n".join(sorted(OPENING_LINES))
+    assert repeated_lines([f"{opening}\n{helper}" for _ in "abc"]) == repeated_lines(
+        pages
+    )
 
 
 def test_the_first_call_is_found_however_the_function_is_named():
