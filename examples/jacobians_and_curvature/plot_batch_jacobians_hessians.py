@@ -278,7 +278,9 @@ plt.show()
 # * ``vmap(jacrev(f, argnums=...), in_dims=(None, ..., 0))`` gives a (batch, outputs, inputs)
 #   tensor, and ``vmap(hessian(...))`` a (batch, outputs, inputs, inputs) one.
 # * The sum-over-batch trick is exact when the cross-sample terms sum to zero, as when each
-#   output depends on its own sample alone. When samples interact through batch statistics,
-#   the cross terms share their sign and add up: a plausible tensor that is wrong.
+#   output depends on its own sample alone. When samples interact through the batch mean,
+#   the cross terms share their sign and add up: a plausible tensor that is wrong. Through
+#   other batch statistics (batch norm's variance) they need not share a sign, and the trick
+#   is wrong all the same.
 # * Inside ``vmap``, a reduction over dimension 0 reduces over the sample's own first axis,
 #   with no error; check such functions against a closed form or the full Jacobian.

@@ -143,7 +143,8 @@ print(f"largest relative error of a block: {max(ntk_errors):.1e}")
 # How fast is it?
 # ---------------
 # Forward mode allocates hundreds of MB per call, so before timing we ask glibc to keep freed
-# memory for reuse; :doc:`/reading-timings` explains why that makes CPU timings repeatable.
+# memory for reuse; :doc:`/reading-timings` explains the allocator's share of the spread it
+# removes (a busy machine's share remains).
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     libc.mallopt(-4, 0)  # M_MMAP_MAX: serve large blocks from the heap
@@ -435,8 +436,8 @@ for name, size in per_sample_bytes.items():
 # * Per-sample parameter Jacobians: ``vmap(jacrev(f), in_dims=(None, 0))`` with ``f`` built
 #   on ``functional_call``; check each parameter against a float64 loop.
 # * With P ≫ Y use ``jacrev``: ``jacfwd`` does about P / Y times the FLOPs (counted above).
-# * The loop of scalar backward passes does about B times ``vmap(jacrev)``'s arithmetic: each
-#   pass runs through the whole batch.
+# * This loop of scalar backward passes through one batched forward does about B times
+#   ``vmap(jacrev)``'s arithmetic; a loop that runs each sample's forward alone does not.
 # * ``vmap(jacfwd)`` copies the first weight's block of the P × P basis once per sample (for
 #   B ≥ 2); ``chunk_size=1`` brings its peak back to one basis, like a loop.
 # * ``vmap(jacrev)``'s peak memory is the (B, Y, P) result itself: count ``4·B·Y·P`` bytes
