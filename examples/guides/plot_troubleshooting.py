@@ -2,9 +2,10 @@
 Troubleshooting torch.func, by error message
 ============================================
 
-Paste an error message into the search box to land on its section: each title begins with the
-message's first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers
-the error and asserts its type and words (``raises``), says where it comes from, often inside
+Paste an error message into the search box to find this page: each section's title begins with
+the message's first words as PyTorch 2.13 prints them, in alphabetical order. Each section
+triggers the error (or links the section that does) and asserts its type and words
+(``raises``), says where it comes from, often inside
 PyTorch, and checks the fix against an independent reference (``agree``). Errors explained in
 :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section and a link.
 """
@@ -62,8 +63,8 @@ with raises(RuntimeError, "running_mean or running_var"):
 # During a grad (vjp, jvp, grad, etc) transform, ... would mutate a captured Tensor
 # ---------------------------------------------------------------------------------
 # A ``RuntimeError`` from training-mode BatchNorm under ``grad``, ``jacrev`` or ``jacfwd``: it
-# adds one to its ``num_batches_tracked`` buffer in place (the ``aten::add_`` named) and updates
-# its running statistics, buffers the function captures instead of taking as inputs.
+# adds one to its ``num_batches_tracked`` buffer in place: the ``aten::add_`` the message names.
+# Its running statistics, also captured buffers, are updated too, and raise nothing themselves.
 net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
 net, batch = net.to(**f64), torch.randn(6, 3, **f64)
 with raises(RuntimeError, "would mutate a captured Tensor"):
@@ -104,8 +105,8 @@ agree("grad inside vmap", per_sample, torch.stack(loop), 1e-14)
 # Python number as its auxiliary output, such as the loss as a float for logging.
 
 
-def residuals(w, x, as_float=True):  # x an argument: a compiled function's globals are
-    r = (x @ w).tanh() - 1  # guarded by module, which a gallery's script does not have
+def residuals(w, x, as_float=True):  # x an argument: as a global, dynamo's guard on it
+    r = (x @ w).tanh() - 1  # failed in the gallery's one-process build
     loss = r.detach().square().mean()
     return r, loss.item() if as_float else loss
 
@@ -164,25 +165,26 @@ agree("tied weight, gradient", got["embed.weight"], want, 1e-14)
 # ----------------------------------------------------------------
 # A ``TypeError``: ``functional_call(model, params, **batch)`` hands the model's keyword inputs
 # to ``functional_call`` (a dictionary as ``args`` would become the first input). The fix is
-# ``kwargs=``; the reference, the module called with its own parameters.
-params = {name: p.detach() for name, p in lm.named_parameters()}
+# ``kwargs=``; the reference, the model written out by hand with the swapped-in table.
 with raises(TypeError, "unexpected keyword argument 'input_ids'"):
-    functional_call(lm, params, **tokens)
-agree("kwargs=", functional_call(lm, params, kwargs=tokens), lm(**tokens), 1e-14)
+    functional_call(lm, one_name, **tokens)
+agree("kwargs=", functional_call(lm, one_name, kwargs=tokens), by_hand, 1e-14)
 
 # %%
 # If \`is_grads_batched=True\`, we interpret the first dimension of each grad_output as ...
 # -----------------------------------------------------------------------------------------
 # A ``RuntimeError``: with ``is_grads_batched=True`` the first axis of ``grad_outputs`` counts
-# cotangents, so one shaped like the output reads as a batch of smaller ones. The fix: the
-# identity's rows give the Jacobian, checked against its closed form ``diag(cos x)·Σx + sin x``.
+# cotangents, so one shaped like the output reads as a batch of smaller ones. For one cotangent,
+# drop the flag; for the Jacobian, pass the identity's rows. Both against closed forms.
 x = torch.randn(4, **f64, requires_grad=True)
 y = x.sin() * x.sum()
 with raises(RuntimeError, "grad_output as the batch dimension"):
     torch.autograd.grad(y, x, torch.ones_like(y), True, is_grads_batched=True)
-(jac,) = torch.autograd.grad(y, x, torch.eye(4, **f64), is_grads_batched=True)
+(jac,) = torch.autograd.grad(y, x, torch.eye(4, **f64), True, is_grads_batched=True)
 want = torch.diag(x.cos() * x.sum()) + x.sin()[:, None]
 agree("is_grads_batched Jacobian", jac, want, 1e-14)
+(one,) = torch.autograd.grad(y, x, torch.ones_like(y))
+agree("one cotangent, no flag", one, x.cos() * x.sum() + x.sin().sum(), 1e-14)
 
 # %%
 # jacrev: Expected all inputs to be real but received complex tensor
@@ -381,8 +383,9 @@ agree("one_hot, num_classes", vmap(F.one_hot, (0, None))(labels, 5), want, 1e-16
 # ------------------------------------------------------------------------------------------
 # A ``RuntimeError`` from ``jvp(grad(loss))`` with :func:`~torch.nn.functional.mse_loss`'s
 # default ``reduction="mean"`` (pytorch#112013, #123996): per a proposed fix (pytorch#197723),
-# its second-derivative formula divides a zero tangent in place (``reduction="sum"`` runs).
-# Fixes: reverse over reverse (``vjp`` of ``grad``), or the squared error written out. The
+# its second-derivative formula divides in place the target's tangent, a ZeroTensor since the
+# target has none (``reduction="sum"`` runs). Fixes: reverse over reverse (``vjp`` of ``grad``),
+# the squared error written out, or an explicit zero tangent for the target. The
 # reference: the Hessian-vector product ``2/(n·m)·Xᵀ X V`` for ``n`` samples of ``m`` outputs.
 X, goal = torch.randn(10, 3, **f64), torch.randn(10, 2, **f64)
 W, V = torch.randn(2, 3, 2, **f64)
@@ -393,8 +396,13 @@ written_grad = grad(lambda W: (X @ W - goal).square().mean())
 want = X.T @ X @ V / 10  # 2/(n·m) = 1/10
 agree("jvp(grad), written out", jvp(written_grad, (W,), (V,))[1], want, 1e-14)
 agree("vjp(grad(mse_loss))", vjp(mse_grad, W)[1](V)[0], want, 1e-14)
+both_grad = grad(lambda W, target: F.mse_loss(X @ W, target))
+tangent = jvp(both_grad, (W, goal), (V, torch.zeros_like(goal)))[1]
+agree("jvp(grad), zero target tangent", tangent, want, 1e-14)
 
 # %%
+# (No error) jvp in a training loss, then backward()
+# --------------------------------------------------
 # Forward mode and ``backward()`` do mix, with no error in 2.13: a training penalty on a
 # Jacobian-vector product, by :func:`~torch.func.jvp` of the model, backpropagates like any
 # loss. The reference: a central difference along a random step of the first weight.
