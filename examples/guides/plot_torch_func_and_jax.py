@@ -18,6 +18,7 @@ eager, ``torch.compile``, JAX op by op and ``jax.jit``) and counts some of what 
 import copy
 import cProfile
 import math
+import os
 import pstats
 import textwrap
 import time
@@ -94,8 +95,7 @@ model64 = copy.deepcopy(model).double()
 leaves64 = dict(model64.named_parameters())
 
 
-def loop_jacobian(outputs, named):
-    """d outputs / d each of `named`, one float64 backward pass per entry of outputs."""
+def loop_jacobian(outputs, named):  # one float64 backward pass per entry of outputs
     wrt = list(named.values())
     rows = [torch.autograd.grad(o, wrt, retain_graph=True) for o in outputs.ravel()]
     grads = [torch.stack(row).reshape(*outputs.shape, *x.shape) for row, x in
@@ -259,9 +259,8 @@ def check(recipe, torch_result, jax_result, reference):
         scale = float(exact.abs().max())
         ours = torch_result[name].detach().cpu().double()
         theirs = torch.from_numpy(np.array(jax_result[name])).double()
-        for side, result in (("torch.func", ours), ("JAX", theirs)):
-            error = float((result - exact).abs().max()) / scale
-            errors[side] = max(errors[side], error)
+        for side, got in (("torch.func", ours), ("JAX", theirs)):
+            errors[side] = max(errors[side], float((got - exact).abs().max()) / scale)
         gap = float((theirs - ours).abs().max()) / scale  # the largest entry's
         assert gap < BOUND, f"{recipe}, {name}: JAX and torch.func differ by {gap:.1e}"
     print(f"{recipe}: float32 error against float64, torch.func {errors['torch.func']:.1e},"
@@ -280,9 +279,9 @@ for recipe, (torch_fn, torch_args, jax_fn, jax_args) in recipes.items():
 # ``jax.jit``, given every array as an argument (one captured from the enclosing scope would be
 # a constant of the program, which XLA may fold). A compiled function's first call compiles it
 # (timed once), checked against the uncompiled one. :class:`torch.utils.benchmark.Timer` times
-# every call, the JAX ones with ``jax.block_until_ready`` (JAX returns before its work is done;
-# that extra call, on JAX's side only, could matter in the first row alone: ``x + 1``, a call
-# with next to no work); ``num_threads`` sets torch's threads, not XLA's own pool.
+# every call, the JAX ones with ``jax.block_until_ready`` (JAX returns early; the extra call may
+# weigh in the ``x + 1`` row alone); ``num_threads`` sets torch's threads, not XLA's pool. Above a
+# load average of one per core, other processes shared the cores: the page then warns.
 METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733",
                  "JAX": "#EE7733", "JAX jit": "#DDAA33"}  # fmt: skip
 LABELS = {**{m: m for m in METHOD_COLORS}, "compiled": "torch compiled"}
@@ -331,20 +330,24 @@ def measure(call):  # blocks of calls for 0.1 s, and at least 5 blocks
 
 
 torch._dynamo.reset()  # compile afresh; below, one graph per recipe: no break, no recompiling
-runs, timings = {}, {}
+runs, timings, loads = {}, {}, []
 for recipe, recipe_args in timed.items():
     graphs = counters["stats"]["unique_graphs"]
     calls, _ = runs[recipe] = four_calls(*recipe_args)
     t = timings[recipe] = {method: measure(call) for method, call in calls.items()}
     assert counters["stats"]["unique_graphs"] == graphs + 1, f"{recipe}: not one graph"
+    loads.append(getattr(os, "getloadavg", lambda: [0.0])()[0])  # 1 min; Windows: 0
     print(f"{recipe}: " + ", ".join(f"{LABELS[m]} {three(t[m].median * 1e3)} ms"
           for m in t) + f" (IQR {', '.join(three(t[m].iqr * 1e3) for m in t)} ms)")  # fmt: skip
 blocks = min(len(m.times) for t in timings.values() for m in t.values())
-print(f"each time above is the median of {blocks} or more blocks of calls")
-for recipe, (_, (torch_s, jax_s)) in runs.items():
+print(f"each time above is the median of {blocks} or more blocks of calls; load average "
+      f"up to {max(loads):.2f} on {os.cpu_count()} cores")  # fmt: skip
+if max(loads) > os.cpu_count():  # the page itself keeps about one thread per core busy
+    print("unreliable comparison: other processes shared the cores while these times were "
+          "taken, and torch's and JAX's calls need not slow down alike")  # fmt: skip
+for (recipe, t), (_, (torch_s, jax_s)) in zip(timings.items(), runs.values()):
     print(f"{recipe}: first call (compiles, or loads a cached compile), measured once: "
           f"torch.compile {torch_s:.2f} s, jax.jit {jax_s:.2f} s")  # fmt: skip
-for recipe, t in timings.items():
     eager = t["JAX"].median / t["torch eager"].median
     fused = t["JAX jit"].median / t["compiled"].median
     print(f"{recipe}: JAX op by op takes {three(eager)}x the time of torch eager, "
@@ -426,21 +429,18 @@ for recipe, (torch_fn, torch_args, *_) in recipes.items():
 
 # %%
 # Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
-# interpreters written in Python, which every primitive passes through, so an op-by-op call
-# makes more Python calls than PyTorch's (asserted). ``torch.func`` does that work in C++ for
-# most operations, its Python calls coming from wrappers, pytrees, the module's ``forward`` and
-# some decompositions: probably much of the first ratio, though not timed apart here.
-# *Compiled against jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled torch
-# function many more (asserted), a cost the ``x + 1`` row times; the rest is the compiled
-# code's own work, which these counts leave alone. Compiling is paid once, as printed.
+# interpreters written in Python, which every primitive passes through, so op by op it makes more
+# Python calls than PyTorch (asserted), whose ``torch.func`` does that work in C++ for most
+# operations: probably much of the first ratio, though not timed apart here. *Compiled against
+# jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled torch function many more
+# (asserted), a cost the ``x + 1`` row times; the rest is the compiled code's own work.
 
 # %%
 # What to remember
 # ----------------
-# - The transforms are spelled alike: ``vmap(grad(f), in_dims=...)`` is
-#   ``jax.vmap(jax.grad(f), in_axes=...)``; ``jacfwd``, ``jacrev``, ``hessian`` and
-#   ``jvp(grad(f), (p,), (v,))`` carry over as they are, and ``stack_module_state`` with ``vmap``
-#   is ``jax.vmap`` over a stacked pytree.
+# - The same transforms: ``vmap(grad(f), in_dims=...)`` is ``jax.vmap(jax.grad(f), in_axes=...)``;
+#   ``jacfwd``, ``jacrev``, ``hessian`` and ``jvp`` of ``grad`` carry over as they are, and
+#   ``stack_module_state`` with ``vmap`` is ``jax.vmap`` over a stacked pytree.
 # - Copy weights with ``jnp.asarray(t.detach().cpu().numpy())``; ``nn.Linear`` keeps ``W`` as
 #   (out, in), so JAX computes ``x @ W.T + b``.
 # - Check both libraries against a float64 reference that uses neither, and bound their

@@ -24,6 +24,7 @@ import copy
 import ctypes
 import gc
 import json
+import operator
 import platform
 import tempfile
 import warnings
@@ -119,10 +120,8 @@ def memory_mib(fn):
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated()
         kept = fn()  # noqa: F841 (what fn returns counts as left allocated)
-        after = torch.cuda.memory_allocated()
-        return (torch.cuda.max_memory_allocated() - before) / 2**20, (
-            after - before
-        ) / 2**20
+        peak, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        return (peak - before) / 2**20, (after - before) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         kept = fn()  # noqa: F841
     with tempfile.TemporaryDirectory() as scratch:
@@ -152,10 +151,6 @@ def spread(time):
     return f"(IQR {digits} ms, {len(time.times)} blocks)"
 
 
-def time_and_peak(call):
-    return timed(call), memory_mib(call)[0]
-
-
 jacrev_curve, vmap_curve = {}, {}
 for chunk_size in [4, 16, 64, 128]:  # 128 rows: the last is no chunking at all
 
@@ -163,14 +158,14 @@ for chunk_size in [4, 16, 64, 128]:  # 128 rows: the last is no chunking at all
         return jacrev(net, chunk_size=chunk_size)(sequences[0])
 
     check_entries(f"jacrev, chunk_size={chunk_size}", call(), reference)
-    jacrev_curve[chunk_size] = time_and_peak(call)
+    jacrev_curve[chunk_size] = timed(call), memory_mib(call)[0]
 for chunk_size in [1, 2, 4]:  # 4 sequences: the last is no chunking at all
 
     def call(chunk_size=chunk_size):
         return vmap(jacrev(net), chunk_size=chunk_size)(sequences)
 
     check_entries(f"vmap(jacrev), chunk_size={chunk_size}", call(), references)
-    vmap_curve[chunk_size] = time_and_peak(call)
+    vmap_curve[chunk_size] = timed(call), memory_mib(call)[0]
 print(f"one Jacobian: {jacobian.numel() * jacobian.element_size() / 2**10:.0f} KiB")
 for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
     for chunk_size, (time, peak) in curve.items():
@@ -179,8 +174,10 @@ for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
     (first_time, _), (last_time, _) = curve[min(curve)], curve[max(curve)]
     print(f"{name}: chunk_size={min(curve)} takes {first_time.median / last_time.median:.2f}x "
           f"the time of no chunking")  # fmt: skip
-    peaks = [peak for _, peak in curve.values()]
-    assert peaks == sorted(peaks), f"{name}: the peak does not grow with chunk_size"
+    peaks = [peak for _, peak in curve.values()]  # chunk_size doubles or more a step
+    growth = min(after / before for before, after in zip(peaks, peaks[1:]))
+    print(f"{name}: each step's peak is at least {growth:.2f}x the last (bound 1.5)")
+    assert growth > 1.5, f"{name}: the peak does not grow with chunk_size"
 
 # %%
 # Choosing a chunk size from the memory you have
@@ -230,12 +227,12 @@ def outputs_at(p):
     return functional_call(net, p, (sequences,))
 
 
-def prepare():
+def prepare(fn=outputs_at, primals=params, tangent=tangents[0]):
     """linearize, and the first product, which computes the folded constants."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-        jvp_fn = linearize(outputs_at, params)[1]
-    jvp_fn(tangents[0])
+        jvp_fn = linearize(fn, primals)[1]
+    jvp_fn(tangent)
     return jvp_fn
 
 
@@ -263,11 +260,14 @@ for k, tangent in enumerate(tangents[:3]):
 # %%
 # What each costs, counted and timed
 # ----------------------------------
-# ``FlopCounterMode`` counts the floating-point operations of each call, as multiples of one
-# forward pass; the timer gives the time. The preparation is ``linearize`` plus the first
-# product; the break-even number of products ``K`` is where it plus ``K − 1`` more products
-# costs as much as ``K`` calls of ``jvp``. ``vmap(jvp)`` is timed over all 16 tangents at once;
-# its count shows the primal forward pass done once for all of them, not 16 times.
+# ``FlopCounterMode`` counts each call's matrix-product FLOPs (``2·m·n·k`` per product of
+# ``mm``, ``addmm`` or ``bmm``, the only operations here it has a formula for; ``tanh`` and
+# the other elementwise operations go uncounted), as multiples of one forward pass, whose
+# count is checked against the closed form; the timer gives the time. The preparation is
+# ``linearize`` plus the first product; the break-even number of products ``K`` is where it
+# plus ``K − 1`` more products costs as much as ``K`` calls of ``jvp``. ``vmap(jvp)`` is timed
+# over all 16 tangents at once; its count shows the primal forward pass done once for all of
+# them, not 16 times.
 CALLS = {
     "forward": lambda: outputs_at(params),
     "linearize, preparation": prepare,
@@ -277,14 +277,17 @@ CALLS = {
         stacked
     ),
 }
-costs = {}
+costs, counted_ops = {}, set()
 for name, call in CALLS.items():
     with FlopCounterMode(display=False) as flops:
         call()
     costs[name] = (flops.get_total_flops(), timed(call))
-forward_flops = costs["forward"][0]
+    counted_ops |= set(flops.get_flop_counts()["Global"])
+assert counted_ops == {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+forward_flops = costs["forward"][0]  # the MLP on 4·32 tokens, then the token mixing
+assert forward_flops == 2 * (128 * (16 * 512 + 512 * 512 + 512 * 4) + 16 * 32 * 32)
 for name, (flop_count, time) in costs.items():
-    print(f"{name:23s} {flop_count / forward_flops:5.2f} forwards of FLOPs, "
+    print(f"{name:23s} {flop_count / forward_flops:5.2f} forwards of matrix-product FLOPs, "
           f"{time.median * 1e3:7.2f} ms {spread(time)}")  # fmt: skip
 prepare_ms, linearized_ms, jvp_ms, vmap16_ms = (  # the four calls after "forward"
     costs[name][1].median * 1e3 for name in list(CALLS)[1:]
@@ -303,21 +306,93 @@ else:
 # %%
 # What the linearised function keeps, and what ``vmap(jvp)`` holds
 # ----------------------------------------------------------------
-# The folded constants stay allocated for as long as the linearised function lives: we
-# measure what the preparation leaves allocated, which must include at least the hidden
-# activations that do not depend on the tangent (the two ``tanh`` outputs and their
-# derivatives, four (4, 32, 512) tensors); and the peaks of one ``jvp`` and of ``vmap(jvp)``
-# over 16 tangents, which carries 16 tangents' activations at once.
+# The folded constants are tensors of an FX module in the closure of the function
+# ``linearize`` returns (``_FX_CONST_FOLDED_ATTRS``, torch internals that may change); the
+# module's graph, run on each call, reads some of them by index. We name each kept tensor by
+# comparing it with tensors computed directly, and compare their bytes with what the profiler
+# finds the preparation leaves allocated. First on a known answer: a product of ``sin``'s
+# Jacobian is ``t · cos x``, so the graph must read ``cos x`` (and ``x``, as a template for the
+# tangent's shape); folding also keeps ``sin x``, traced though not needed.
+
+
+def folded_constants(jvp_fn):
+    """The tensors jvp_fn keeps, {index: ops reading it} for those its graph reads, its ops."""
+    cells = dict(zip(jvp_fn.__code__.co_freevars, jvp_fn.__closure__))
+    module = cells["const_folded_jvp_graph"].cell_contents
+    nodes = module.graph.nodes
+    read = {node.args[1]: {str(user.target) for user in node.users} for node in nodes
+            if node.target is operator.getitem and node.args[0].op == "get_attr"}  # fmt: skip
+    kept = list(getattr(module, module.fx_const_folded_attrs_name))
+    return kept, read, [str(node.target) for node in nodes]
+
+
+def identify(tensor, known):  # the name of the tensor with the same entries, any shape
+    for name, value in known.items():
+        if value.numel() == tensor.numel() and torch.allclose(
+            tensor.reshape(value.shape), value, rtol=1e-5, atol=1e-6
+        ):
+            return name
+    return "other" if tensor.any() else "zeros"
+
+
+def allocated(tensors):  # bytes; the CUDA allocator rounds each block up to 512 bytes
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return sum(n if device.type == "cpu" else -(-n // 512) * 512 for n in sizes)
+
+
+TEMPLATE = {"aten._new_zeros_with_same_feature_meta.default"}  # reads shape, dtype
+x = torch.randn(1000, device=device)
+sin_kept_mib = memory_mib(lambda: prepare(torch.sin, x, torch.ones_like(x)))[1]
+kept, read, _ = folded_constants(prepare(torch.sin, x, torch.ones_like(x)))
+names = [identify(t, {"x": x, "sin x": x.sin(), "cos x": x.cos()}) for t in kept]
+assert sorted(names) == ["cos x", "sin x", "x"], names
+reads = {names[i]: op for i, op in read.items()}
+assert reads == {"x": TEMPLATE, "cos x": {"aten.mul.Tensor"}}, reads
+assert sin_kept_mib * 2**20 == allocated(kept), "the profiler disagrees"
+
+# %%
+# Then the model's, named against its parameters, their transposes, and, for each ``tanh``
+# layer, the pre-activation ``z = aW^T + b`` of its input ``a``, its output ``h = tanh z`` and
+# the derivative ``1 − h²``:
+z1 = sequences @ params["mlp.0.weight"].T + params["mlp.0.bias"]
+z2 = z1.tanh() @ params["mlp.2.weight"].T + params["mlp.2.bias"]
+known = {**{f"parameter {n}": p for n, p in params.items()},
+         **{f"transposed {n}": p.T for n, p in params.items() if p.dim() == 2},
+         "inputs": sequences, "pre-activation z1": z1, "pre-activation z2": z2,
+         "tanh output h1": z1.tanh(), "tanh output h2": z2.tanh(),
+         "tanh derivative 1-h1²": 1 - z1.tanh() ** 2,
+         "tanh derivative 1-h2²": 1 - z2.tanh() ** 2}  # fmt: skip
+kept, read, ops = folded_constants(linearized)
+names = [identify(t, known) for t in kept]
 prepare_peak, prepare_kept = memory_mib(prepare)
-# four float32 tensors of shape (4, 32, 512)
-activations_mib = 4 * torch.Size([4, 32, 512]).numel() * 4 / 2**20
-print(f"linearize and a first product: peak {prepare_peak:.2f} MiB, keeps {prepare_kept:.2f} "
-      f"MiB (tanh outputs and derivatives: {activations_mib:.2f} MiB)")  # fmt: skip
+unread = allocated(t for i, t in enumerate(kept) if i not in read) / 2**20
+print(f"linearize and a first product: peak {prepare_peak:.2f} MiB, leave {prepare_kept:.2f} MiB"
+      f" allocated: {len(kept)} tensors kept, {len(read)} read on each call")  # fmt: skip
+for kind in dict.fromkeys(name.rsplit(" ", 1)[0] for name in names + list(known)):
+    of_kind = [i for i, name in enumerate(names) if name.rsplit(" ", 1)[0] == kind]
+    mib = [allocated(kept[i] for i in of_kind if i in read or not reading) / 2**20
+           for reading in (False, True)]  # fmt: skip
+    print(f"  {kind:16s} {len(of_kind):2d} kept, {mib[0]:.2f} MiB; "
+          f"{sum(i in read for i in of_kind):2d} read, {mib[1]:.2f} MiB")  # fmt: skip
+print(f"kept and never read: {unread:.2f} MiB; each product calls tanh_backward "
+      f"{ops.count('aten.tanh_backward.default')} times")  # fmt: skip
+assert prepare_kept * 2**20 == allocated(kept), "the profiler disagrees"
+assert not any(n.startswith("tanh derivative") for n in names), "1 - h² kept"
+assert ops.count("aten.tanh_backward.default") == 2, "1 - h² not recomputed"
+assert {"tanh output h1", "tanh output h2"} <= {names[i] for i in read}, names
+assert {"pre-activation z1", "pre-activation z2"} <= set(names), names
+assert not any(names[i].startswith("pre-activation") for i in read), names
+assert all(read[i] == TEMPLATE for i, n in enumerate(names) if "parameter" in n)
+
+# %%
+# So, among what the table lists, it keeps a copy of each parameter, read only as a template for
+# the tangents' shapes; the ``tanh`` outputs, from which ``tanh_backward`` recomputes ``1 − h²``
+# on every call; and the pre-activations, never read (all asserted). Last, the peaks of one
+# ``jvp`` and of ``vmap(jvp)`` over 16 tangents, which holds 16 tangents' activations.
 jvp_peak = memory_mib(CALLS["loop, one jvp"])[0]
 vmap_peak = memory_mib(CALLS["vmap, 16 jvps"])[0]
 print(f"peak of one jvp {jvp_peak:.2f} MiB; of vmap(jvp) over 16 tangents {vmap_peak:.2f} MiB "
       f"({vmap_peak / jvp_peak:.1f}x)")  # fmt: skip
-assert prepare_kept > activations_mib, "linearize kept less than the activations"
 assert vmap_peak > 8 * jvp_peak, "vmap(jvp) over 16 tangents held no more than 8 jvps"
 
 # %%
@@ -366,7 +441,8 @@ plt.show()
 #   time depends on the machine: compare the printed times before you pick the smallest.
 # * Pick ``c`` from two measured peaks: ``peak(c) = base + c · per_row``, then
 #   ``c = ⌊(M − base) / per_row⌋``; measure the chosen chunk once to confirm it fits.
-# * ``linearize`` evaluates the function twice and keeps folded constants; each product then
-#   skips the primal part of a ``jvp`` (fewer FLOPs, counted). It pays only past the break-even.
+# * ``linearize`` evaluates the function twice and keeps folded constants (listed above: copies
+#   of the parameters and activations, some never read); each product then skips the primal
+#   part of a ``jvp`` (fewer matrix-product FLOPs, counted). It pays only past the break-even.
 # * With all tangents known, ``vmap(jvp)`` runs the primal forward once for all of them (counted)
 #   and holds all their tangent activations at once (measured).
