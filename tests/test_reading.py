@@ -59,6 +59,8 @@ SITE_PALETTE = {
     "JAX": "#EE7733",
     "JAX jit": "#DDAA33",
     "Hutchinson": "#AA3377",
+    "MAML": "#994455",
+    "joint training": "#225555",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 

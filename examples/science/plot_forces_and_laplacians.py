@@ -397,11 +397,13 @@ print(f"d=256 forward-over-reverse, chunk_size=16: {chunked_time.median * 1e3:.2
       f"{chunked_time.iqr * 1e3:.3g} ms, {len(chunked_time.times)} blocks), largest tensor "
       f"{probe.nbytes:,} bytes, {sizes['forward-over-reverse'][-1] / probe.nbytes:.3g}x"
       " less than unchunked")  # fmt: skip
-assert probe.nbytes < sizes["forward-over-reverse"][-1]
+assert probe.nbytes == len(xs) * 16 * 256 * 4  # B points × 16 columns of d floats
 
 
 # %%
 def time_ratio(slow, fast, at):
+    if times[slow][at].median < times[fast][at].median:
+        slow, fast = fast, slow
     ratio = times[slow][at].median / times[fast][at].median
     return f"{slow} takes {ratio:.3g}x the time of {fast} at d={dims[at]}"
 
@@ -433,9 +435,7 @@ plt.show()
 # %%
 # **Reading the numbers.** The exact routes run ``d`` Hessian-vector products per point and
 # hold each point's ``d × d`` Hessian (asserted) unless chunked; Hutchinson's runs ``S``
-# whatever ``d`` is, and pays in noise: its standard error falls as ``1/√S``. ``hessian`` is
-# ``jacfwd(jacrev(u))``; the ``vmap`` of size one that ``jacrev`` puts over ``u``'s single
-# output probably costs it time that route (b) does not spend (not measured here).
+# whatever ``d`` is, and pays in noise: its standard error falls as ``1/√S``.
 
 # %%
 # What to remember
@@ -444,7 +444,8 @@ plt.show()
 #   energies while no configuration's energy depends on another's; check a closed-form force.
 # * ``vmap(hessian(energy))`` gives one (N, 3, N, 3) Hessian per configuration; its rows sum to
 #   zero over atoms, and at a minimum of a free cluster it has six zero eigenvalues, not three.
-# * An exact Laplacian costs ``d`` Hessian-vector products, ``jvp`` of ``grad``; ``vmap`` over
+# * With torch.func, an exact Laplacian costs ``d`` Hessian-vector products, ``jvp`` of
+#   ``grad`` (Taylor-mode methods cost less; torch.func has none); ``vmap`` over
 #   the basis holds all ``d × d`` entries at once unless given a ``chunk_size``.
 # * Hutchinson's estimator costs ``S`` products whatever ``d`` is, and is noisy; use ±1 probes,
 #   whose variance ``2 Σ_{i≠j} H_ij²`` leaves out the diagonal, and report its standard error.
