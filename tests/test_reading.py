@@ -61,6 +61,7 @@ SITE_PALETTE = {
     "Hutchinson": "#AA3377",
     "MAML": "#994455",
     "joint training": "#225555",
+    "flat vector": "#88CCEE",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
