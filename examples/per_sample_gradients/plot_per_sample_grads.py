@@ -319,7 +319,7 @@ for name, fn in methods.items():
     fn()  # warm-up
     timer = benchmark.Timer("run()", globals={"run": fn}, num_threads=threads)
     measured = [timer.blocked_autorange(min_run_time=0.3)]
-    if len(measured[0].times) < 4:  # a slow call: about four more blocks, for a spread
+    if len(measured[0].times) < 4:  # a slow call: more blocks (up to four), for a spread
         block = measured[0].median * measured[0].number_per_run
         measured.append(timer.blocked_autorange(min_run_time=4 * block))
     times[name] = benchmark.Measurement.merge(measured)[0]
@@ -376,8 +376,8 @@ else:
     print(": vmap was not slower than the batched pass in this run")
 
 # %%
-# The figure shows the medians with their interquartile ranges; the dashed line is the time to
-# write B·P floats.
+# The figure shows the medians, each whisker one interquartile range long on either side; the
+# dashed line is the time to write B·P floats.
 fig, ax = plt.subplots(figsize=(7, 2.8), layout="constrained")
 drawn = ["batched", "loop", "vmap"]
 ax.barh(drawn, [times[m].median * 1e3 for m in drawn],

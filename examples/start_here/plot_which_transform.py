@@ -17,6 +17,11 @@ or a closed form) and names the page that teaches it; at the end, all are timed 
 # ``x.unbind(0)`` would, in one call. ``jacrev`` builds a Jacobian from one vector-Jacobian
 # product per output (row), ``jacfwd`` from one Jacobian-vector product per input (column),
 # all rows or columns in one ``vmap``-ed call; their ``chunk_size=`` bounds the memory.
+# Other questions have pages of their own: :doc:`parameter subsets and mixed derivatives
+# <../models_as_functions/plot_choosing_what_to_differentiate>`, :doc:`GRU and LSTM
+# <../per_sample_gradients/plot_per_sample_grads_recurrent>`, :doc:`transformers
+# <../per_sample_gradients/plot_per_sample_grads_transformer>`, :doc:`MAML
+# <../models_as_functions/plot_maml>`, :doc:`physics <../science/plot_forces_and_laplacians>`.
 import warnings
 from collections import OrderedDict
 
@@ -235,10 +240,9 @@ kernel_reference = gram[:, :, None, None] * blocks
 print(f"NTK {tuple(kernel.shape)}: relative error "
       f"{relative_error(kernel, kernel_reference):.1e}")  # fmt: skip
 torch.testing.assert_close(kernel, kernel_reference)  # every entry of every block
-recipes["per-sample parameter Jacobians"] = lambda: param_jacobians(
-    head_params, batch_features
-)
-recipes["NTK (full blocks)"] = lambda: ntk(head_params, batch_features)
+head_batch = (head_params, batch_features)
+recipes["per-sample parameter Jacobians"] = lambda: param_jacobians(*head_batch)
+recipes["NTK (full blocks)"] = lambda: ntk(*head_batch)
 
 # %%
 # An ensemble of models in one call
@@ -309,12 +313,12 @@ torch.testing.assert_close(products["linearize"] @ u, tangents @ pullback(u)[0])
 # %%
 # How fast is it, and how much arithmetic?
 # ----------------------------------------
-# Each recipe is timed with :class:`torch.utils.benchmark.Timer` (median and interquartile
-# range, IQR, over its blocks) and its result's bytes counted. A dispatch mode adds up torch's
-# FLOP formulas (``FlopCounterMode``'s: matrix products, none for elementwise operations) over
-# the operations that run, below the transforms: a product under ``vmap`` counts once, as the
-# batched product that runs (the profiler's FLOP column would add the transform's operation).
-# ``FlopCounterMode`` itself, whose module tracking hooks into autograd, fails under ``jacrev``.
+# Each recipe is timed with :class:`torch.utils.benchmark.Timer` (median and IQR over its
+# blocks) and its result's bytes counted. A dispatch mode adds up torch's FLOP formulas
+# (``FlopCounterMode``'s: matrix products, none for elementwise operations) over the operations
+# that run, below the transforms: a product under ``vmap`` counts once, as the batched product
+# that runs (the profiler would add the transform's operation). ``FlopCounterMode`` itself,
+# whose module tracking hooks into autograd, fails under ``jacrev``.
 class CountFlops(TorchDispatchMode):
     total = 0
 
@@ -356,10 +360,10 @@ for name, call in recipes.items():
 
 
 # %%
-# The counts can be checked, unlike the times: each equals a closed form in passes through the
-# layers, at ``2 · inputs · outputs`` FLOPs per linear layer and pass. Forward mode runs two
-# passes more than its tangents: the primal one, and one through the zero tangent it
-# materialises and multiplies for a tensor that has none (PyTorch issue #69687).
+# The counts can be checked, unlike the times: nine are asserted below to equal a closed form
+# in passes through the layers, at ``2 · inputs · outputs`` FLOPs per layer and pass. Forward
+# mode runs two passes more than its tangents: the primal one, and one through the zero
+# tangent it materialises and multiplies for a tensor that has none (PyTorch issue #69687).
 def pass_flops(*layers):
     return sum(2 * layer.in_features * layer.out_features for layer in layers)
 
@@ -405,17 +409,14 @@ for slow, fast in pairs:  # words chosen by the ratio, which may come out either
           f"with {flops[slow] / flops[fast]:.2f}x its FLOPs")  # fmt: skip
 
 # %%
-# The counts say which mode to pick for a Jacobian: the mode that pushes or pulls fewer
-# vectors does less arithmetic, by the factor printed. The time follows it where the arithmetic
-# is large; at these small sizes, fixed costs per call can decide instead (the Jacobians page
-# measures where the two cross over). For the 16 products, a loop of ``jvp`` runs three passes
-# per tangent (primal, tangent, zero tangent); ``vmap(jvp)`` runs the other two once for all.
-# ``linearize`` runs four passes to build its function, whose first call folds what does not
-# depend on the tangent (torch.fx's constant folding, three passes); later calls run one. Its
-# rows count and time later calls only: end to end, the counts favour ``vmap(jvp)`` for
-# tangents known together, ``linearize`` over a loop of ``jvp`` for tangents that come one at a
-# time. A time ratio above the FLOP ratio is probably per-call overhead (Python, module calls).
-# The figure shows the times on a log axis, each bar coloured by the transform doing the work.
+# The counts say which mode to pick for a Jacobian: the one that moves fewer vectors does less
+# arithmetic, by the factor printed; at these sizes fixed costs per call can decide the time
+# instead (the Jacobians page finds the crossover). A loop of ``jvp`` runs three passes per
+# tangent (primal, tangent, zero tangent), ``vmap(jvp)`` the primal and zero ones once for all.
+# ``linearize`` runs four passes to build, three on its first call (torch.fx's constant
+# folding), one on each later call, which its rows count and time: end to end, ``vmap(jvp)``
+# for tangents known together, ``linearize`` for tangents that come one at a time. The figure
+# shows the times on a log axis, each bar coloured by the transform doing the work.
 METHOD_COLORS = {
     "vmap": "#009E73", "jacfwd": "#E69F00", "jacrev": "#0072B2", "hessian": "#56B4E9",
     "forward-over-reverse": "#EE3377", "loop": "#D55E00", "linearize": "#CC3311",
@@ -445,6 +446,5 @@ plt.show()
 # - Few inputs, many outputs: ``jacfwd``; few outputs: ``jacrev``. The FLOPs follow the vector
 #   count; the time follows them only where the arithmetic outweighs fixed costs per call.
 # - A Hessian-vector product is ``jvp(grad(f), (p,), (v,))``, with no Hessian formed.
-# - ``linearize`` costs passes up front (to build, then on its first call), only tangent
-#   products after; for known tangents, ``vmap(jvp)``. Forward mode also multiplies zeros.
+# - ``linearize`` pays passes up front, then tangent products alone; known tangents: ``vmap(jvp)``.
 # - Count FLOPs with a dispatch mode, below the transforms, and check the counts on known cases.
