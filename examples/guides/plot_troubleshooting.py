@@ -4,10 +4,12 @@ Troubleshooting torch.func, by error message
 
 Paste an error message into the search box to find this page: each section's title begins with
 the message's first words as PyTorch 2.13 prints them, in alphabetical order. Each section
-triggers the error (or links the section that does) and asserts its type and words
-(``raises``), says where it comes from, often inside
-PyTorch, and checks the fix against an independent reference (``agree``). Errors explained in
-:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section and a link.
+triggers the error (or links the one that does), asserts its type and words (``raises``), says
+where it comes from, often inside PyTorch, and checks the fix against a reference (``agree``).
+Errors explained in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section
+and a link; errors about a transform's arguments and outputs (non-scalar losses, ``has_aux``,
+``in_dims``, checkpointing) are in
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`.
 """
 
 import contextlib
@@ -438,8 +440,7 @@ plt.show()
 # %%
 # What to remember
 # ----------------
-# * Many errors come from inside torch (distributions, losses, BatchNorm): rewrite those few
-#   lines with batched operators (``torch.where``, ``log_softmax``).
+# * Errors from inside torch (distributions, losses): rewrite those lines with batched operators.
 # * Under ``vmap`` no shape and no ``if`` may depend on values: give ``num_classes`` and fixed
 #   lengths, and run solvers for a fixed number of steps, frozen with ``torch.where``.
 # * Transforms want state as inputs and tensors as outputs: pass BatchNorm buffers in, return
