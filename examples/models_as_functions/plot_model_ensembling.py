@@ -299,7 +299,7 @@ print("the loop's time divided by vmap's (above 1: vmap was faster):")
 for case, values in speedups.items():
     print(
         f"  {case:16s}"
-        + "".join(f"  N={n}: {s:.2f}x" for n, s in zip(member_counts, values))
+        + "".join(f"  N={n}: {s:.3g}x" for n, s in zip(member_counts, values))
     )
     # the smallest N from which vmap was faster at every larger N, on this run
     ahead = [n for i, n in enumerate(member_counts) if min(values[i:]) > 1]
