@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, grad_and_value, jacrev, jvp, vmap
+from torch.func import functional_call, grad, grad_and_value, jacfwd, jvp, vmap
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -152,11 +152,11 @@ check("logits (aux)", logits, logits64.detach(), 3e-6)
 # ---------------------------------------------------------------------
 # Input-gradient regularisers and losses built from a Jacobian (functorch#1056 trains weights
 # ``W`` on a loss of ``J = ∂f/∂x``) need ``∂/∂x ∇θ L``: for 4 inputs of 8 features, a P × 32
-# block, from :func:`~torch.func.jacrev` of the gradient as a function of ``x``. Its product with
-# a direction, all most uses need, is :func:`~torch.func.jvp` of the gradient without the block.
+# block, tall, so :func:`~torch.func.jacfwd` of the gradient (32 tangents; ``jacrev`` would pull
+# P cotangents). Its product with one direction is :func:`~torch.func.jvp`, without the block.
 few_x, few_y = inputs[:4], labels[:4]
 params_grad = lambda x: grad(loss)(everything, {}, x, few_y)  # noqa: E731
-block = jacrev(params_grad)(few_x)  # {name: shape + (4, 8)}
+block = jacfwd(params_grad)(few_x)  # {name: shape + (4, 8)}
 direction = torch.randn_like(few_x)
 _, product = jvp(params_grad, (few_x,), (direction,))
 
@@ -231,10 +231,10 @@ print("RuntimeError:", message[:200], "...")
 
 # %%
 # Its limits, counted. Each one-hot row drives a backward through the *whole* batch's graph:
-# one vectorised backward doing B times one backward's matrix-product FLOPs, in as many matrix
-# products, where ``vmap(grad)`` costs one forward and backward. Ops the legacy ``vmap`` has no
-# batching rule for (``torch._C._debug_only_display_vmap_fallback_warnings(True)`` names them)
-# run once per row: a dispatch mode (views left out) counts ``tanh``'s backward.
+# one vectorised backward doing B times one backward's matrix-product FLOPs, in the same
+# number of (larger) matrix products, where ``vmap(grad)`` costs one forward and backward. Ops
+# the legacy ``vmap`` has no batching rule for (``_debug_only_display_vmap_fallback_warnings``
+# names them) run once per row: a dispatch mode (views left out) counts ``tanh``'s backward.
 class OpCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -445,4 +445,4 @@ plt.show()
 #   ops once per row; for ``Linear`` layers, hooks and one ordinary backward suffice. BatchNorm
 #   in training mode couples the rows, and ``vmap(grad)`` refuses it: eval mode or GroupNorm.
 # * A flat parameter vector returns (B, P) directly but peaks as high as ``torch.cat``, as does
-#   ``chunk_size`` (slices: twice that); fill a buffer made first, a chunk at a time.
+#   ``chunk_size`` here (slices: twice that); fill a buffer made first, a chunk at a time.
