@@ -310,9 +310,8 @@ def peak_mib(fn, *args):
 
 def largest_copy(fn, *args):
     """(MiB, input shape, share of the CPU time) of the largest ``aten::clone`` in fn(*args)."""
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    gpu = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    activities = [ProfilerActivity.CPU, *gpu]
     with profile(
         activities=activities, profile_memory=True, record_shapes=True
     ) as prof:
