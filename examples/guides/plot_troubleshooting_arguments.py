@@ -2,14 +2,15 @@
 Troubleshooting, part 2: errors about arguments, outputs and what runs inside a transform
 =========================================================================================
 
-The companion of :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`, for the errors
-raised by what a transform is given (``in_dims``, tangents, cotangents, integer inputs,
-parameter names), by what the function returns (a vector, a float, a complex number, an
-``aux`` without its tuple) and by what runs inside it (``backward()``, checkpointing, NumPy).
-Each section's title begins with the message's first words as PyTorch 2.13 prints them, in
-alphabetical order. Each section triggers the error and asserts its type and words
-(``fails_with``), says where it comes from in one sentence, and checks the fix against an
-independent reference (``check``): a loop, a closed form, NumPy or finite differences.
+The companion of :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py` (batching rules,
+BatchNorm, tied weights, complex inputs, ``ZeroTensors``), for the errors raised by what a
+transform is given (``in_dims``, tangents, cotangents, keywords, integer inputs, parameter
+names), by what the function returns (a vector, a float, a complex number, an ``aux`` without
+its tuple) and by what runs inside it (``backward()``, checkpointing, custom Functions, NumPy).
+Code that runs but computes something else: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
+Each title begins with the message's first words as PyTorch 2.13 prints them, in alphabetical
+order. Each section triggers the error and asserts its type and words (``fails_with``), says
+where it comes from, and checks the fix against an independent reference (``check``).
 """
 
 import contextlib
@@ -77,18 +78,18 @@ with fails_with(RuntimeError, "backward() called inside a functorch transform"):
 per_model = vmap(grad(fit_loss), in_dims=(0, None))(stacked, inputs)
 for model in models:
     fit_loss(dict(model.named_parameters()), inputs).backward()
-grads_by_loop = torch.stack([model.weight.grad for model in models])
-check("grad inside vmap, 4 models", per_model["weight"], grads_by_loop, 1e-14)
+for name in ("weight", "bias"):
+    by_loop = torch.stack([getattr(model, name).grad for model in models])
+    check(f"grad inside vmap, 4 models, {name}", per_model[name], by_loop, 1e-14)
 
 # %%
 # Cannot access data pointer of Tensor that doesn't have storage
 # --------------------------------------------------------------
 # A ``RuntimeError`` from NumPy (or a C++ extension) under ``vmap``: a sample there is a batched
-# wrapper without storage of its own for them to read. The fix: the torch operator
+# wrapper without storage of its own for them to read (under ``grad``, NumPy fails otherwise,
+# as in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`). The fix: the torch operator
 # (:func:`torch.sinc` for ``np.sinc``), or a custom operator with a ``vmap`` rule
-# (:ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`). The reference: NumPy,
-# row by row. Under ``grad``, NumPy fails otherwise: :ref:`pitfalls
-# <sphx_glr_auto_examples_guides_plot_pitfalls.py>`, section 2.
+# (:ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`). Reference: NumPy by row.
 grid = torch.linspace(-2, 2, 12, **F64).view(3, 4)
 with fails_with(RuntimeError, "Cannot access data pointer of Tensor that doesn't have"):
     vmap(lambda row: torch.as_tensor(np.sinc(row)))(grid.cpu())
@@ -110,12 +111,44 @@ with fails_with(RuntimeError, "Unexpected key(s): 'weights'"):
 # DistributedDataParallel model, raises even without strict=True, another message.
 with fails_with(AttributeError, "Linear has no attribute `module`"):
     functional_call(layer, {"module.weight": new["weights"]}, (x,))
+# A name in two dictionaries (``functional_call(m, (params, buffers), ...)``) raises too.
+with fails_with(ValueError, "['bias'] appeared in multiple dictionaries; behavior of"):
+    functional_call(layer, (new, {"bias": new["bias"]}), (x,))
 # The fix: the module's own names, checked by strict=True (which wants every parameter and
-# buffer) or, for a partial dictionary, against them. The reference: W x + b by hand.
+# buffer) or, for a partial dictionary, against ``named_parameters()`` and ``named_buffers()``
+# (``state_dict()`` leaves out non-persistent buffers). The reference: W x + b by hand.
 new["weight"] = new.pop("weights")
-assert not new.keys() - layer.state_dict().keys()
+known = dict(layer.named_parameters()) | dict(layer.named_buffers())
+assert not new.keys() - known.keys(), new.keys() - known.keys()
 swapped = functional_call(layer, new, (x,), strict=True)
 check("strict=True, names fixed", swapped, new["weight"] @ x + new["bias"], 1e-15)
+
+# %%
+# Expected weight from each model to have the same .requires_grad
+# ---------------------------------------------------------------
+# A ``RuntimeError`` from ``stack_module_state`` when a parameter is frozen in some models and
+# not in others: each name becomes one stacked tensor, with one ``requires_grad``. The fix:
+# freeze it in every model, or, as here, in none. The reference: each model called in a loop.
+ensemble = [nn.Linear(3, 2).to(**F64) for _ in range(4)]
+ensemble[0].weight.requires_grad_(False)
+with fails_with(RuntimeError, "Expected weight from each model to have the same"):
+    stack_module_state(ensemble)
+ensemble[0].weight.requires_grad_(True)
+params, _ = stack_module_state(ensemble)
+outputs = vmap(functional_call, in_dims=(None, 0, None))(ensemble[0], params, (x,))
+check("frozen in every model", outputs, torch.stack([m(x) for m in ensemble]), 1e-15)
+
+# %%
+# Got argnum=0, but only 0 positional inputs
+# ------------------------------------------
+# A ``RuntimeError`` from ``grad`` when the argument to differentiate comes by keyword:
+# ``argnums`` counts positional arguments only, and keyword arguments pass through without a
+# gradient. The fix: pass it by position. The reference: ``d/dw Σ sin(w·x) = x·cos(w·x)``.
+wavy = lambda w, x: (w * x).sin().sum()  # noqa: E731
+w = torch.randn(3, **F64)
+with fails_with(RuntimeError, "Got argnum=0, but only 0 positional inputs"):
+    grad(wavy)(w=w, x=x)
+check("w by position", grad(wavy)(w, x=x), x * (w * x).cos(), 1e-15)
 
 # %%
 # grad can be implicitly created only for real scalar outputs
@@ -127,12 +160,7 @@ check("strict=True, names fixed", swapped, new["weight"] @ x + new["bias"], 1e-1
 signal, weights = torch.randn(16, **F64), torch.linspace(0, 1, 16, **F64)
 with fails_with(RuntimeError, "grad can be implicitly created only for real scalar"):
     grad(lambda s: (weights * torch.fft.fft(s)).sum())(signal)
-
-
-def power(s):  # s: one signal, or one signal per row
-    return (weights * torch.fft.fft(s).abs().square()).sum(-1)
-
-
+power = lambda s: (weights * torch.fft.fft(s).abs().square()).sum(-1)  # noqa: E731
 nudges = 1e-3 * torch.eye(16, **F64)
 by_differences = (power(signal + nudges) - power(signal - nudges)) / 2e-3
 check("real loss |X|², grad", grad(power)(signal), by_differences, 3e-12)
@@ -142,19 +170,21 @@ check("real loss |X|², grad", grad(power)(signal), by_differences, 3e-12)
 # --------------------------------------------------------------
 # A ``RuntimeError`` when ``f`` returns no scalar tensor: a vector of per-sample losses, a
 # model's output of shape ``[1]`` ("scalar Tensor, got tensor with 1 dims"), or a Python float
-# from ``math`` or ``.item()`` ("a Tensor, got <class 'float'>").
+# from ``math`` or ``.item()`` ("a Tensor, got <class 'float'>"; ``jacrev`` and ``vjp`` say
+# ``vjp(f, *primals): expected f(*primals) to return only tensors``).
 head = nn.Linear(3, 1).to(**F64)
 for not_scalar in (head, lambda x: (inputs @ x).square()):
     with fails_with(RuntimeError, "to return a scalar Tensor, got tensor with 1 dims"):
         grad(not_scalar)(x)
-quiet = warnings.catch_warnings(action="ignore", category=UserWarning)  # from float()
-with quiet, fails_with(RuntimeError, "to return a Tensor, got <class 'float'>"):
-    grad(lambda x: math.sqrt(x.square().sum()))(x)
+with warnings.catch_warnings(action="ignore", category=UserWarning):  # from float()
+    with fails_with(RuntimeError, "to return a Tensor, got <class 'float'>"):
+        grad(lambda x: math.sqrt(x.square().sum()))(x)
+    with fails_with(RuntimeError, "expected f(*primals) to return only tensors"):
+        jacrev(lambda x: math.sqrt(x.square().sum()))(x)
 # Fixes: index or sum to a scalar (head(x)[0]); torch operators, not math; and for one gradient
 # per output, jacrev or vjp, as the message says. The references are closed forms.
 check("grad of head(x)[0]", grad(lambda x: head(x)[0])(x), head.weight[0], 1e-15)
-norm_grad = grad(lambda x: x.square().sum().sqrt())(x)
-check("grad of torch.sqrt", norm_grad, x / x.norm(), 1e-15)
+check("grad of torch's norm", grad(torch.linalg.vector_norm)(x), x / x.norm(), 1e-15)
 per_loss = jacrev(lambda x: (inputs @ x).square())(x)
 check("jacrev, one row per loss", per_loss, 2 * (inputs @ x)[:, None] * inputs, 1e-15)
 
@@ -185,35 +215,65 @@ check("has_aux, the aux value", parts["fit"], residual.square().mean(), 1e-15)
 # In order to use an autograd.Function with functorch transforms ... setup_context
 # --------------------------------------------------------------------------------
 # A ``RuntimeError`` from an ``autograd.Function`` in the older style (``ctx`` as the forward's
-# first argument), such as ``torch.utils.checkpoint.checkpoint(use_reentrant=True)``. For your
-# own Function, the fix is a ``setup_context`` staticmethod:
-# :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
+# first argument), such as ``checkpoint(use_reentrant=True)``. For your own Function, the fix
+# is a ``setup_context`` staticmethod, plus, under ``vmap``, a ``vmap`` staticmethod or
+# ``generate_vmap_rule = True`` and, under ``jvp`` or ``jacfwd``, a ``jvp`` staticmethod, or
+# they raise too (:ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`).
+calls = []  # one entry per run of the block below
+
+
+class Cube(torch.autograd.Function):  # x³, written short
+    forward = staticmethod(lambda x: x**3)
+    setup_context = staticmethod(lambda ctx, xs, out: ctx.save_for_backward(*xs))
+    backward = staticmethod(lambda ctx, g: 3 * ctx.saved_tensors[0] ** 2 * g)
+
+
+def block(x, W):  # one sample's features, or a batch's
+    calls.append(tuple(x.shape))
+    return (x @ W).tanh()
+
+
 W = torch.randn(3, 4, **F64)
-block = lambda x, W: (x @ W).tanh()  # noqa: E731  one sample's features
 with fails_with(RuntimeError, "it must override the setup_context staticmethod"):
     vmap(lambda x: checkpoint(block, x, W, use_reentrant=True))(inputs)
-# use_reentrant=False runs forward under vmap, but its recomputation in backward then meets
-# batched tensors outside vmap and fails. The fix: checkpoint outside the transform, with the
-# gradient by autograd. The reference: d/dW Σ tanh²(XW) = Xᵀ (2y (1 − y²)) for y = tanh(XW).
+with fails_with(RuntimeError, "You tried to vmap over Cube, but it does not have vmap"):
+    vmap(Cube.apply)(grid)
+with fails_with(NotImplementedError, "You must implement the jvp function"):
+    jvp(Cube.apply, (grid,), (grid,))
+Cube.generate_vmap_rule = True
+cube_slopes = vmap(grad(lambda row: Cube.apply(row).sum()))(grid)
+check("Cube, generate_vmap_rule", cube_slopes, 3 * grid**2, 1e-15)  # d x³ / dx by hand
+# use_reentrant=False runs forward under vmap, but its recomputation in backward meets batched
+# tensors outside vmap. The fix: checkpoint outside, use_reentrant=False for autograd.grad (the
+# block runs twice). The reference: d/dW Σ tanh²(XW) = Xᵀ (2y (1 − y²)) for y = tanh(XW).
 leaf = W.clone().requires_grad_()
 with fails_with(RuntimeError, "Either your tensor may have escaped"):
     inside = vmap(lambda x: checkpoint(block, x, leaf, use_reentrant=False))(inputs)
     torch.autograd.grad(inside.square().sum(), leaf)
-outside = checkpoint(vmap(block, in_dims=(0, None)), inputs, leaf, use_reentrant=False)
+by_rows = vmap(block, in_dims=(0, None))
+with fails_with(RuntimeError, "When use_reentrant=True, torch.utils.checkpoint is"):
+    redone = checkpoint(by_rows, inputs, leaf, use_reentrant=True)
+    torch.autograd.grad(redone.sum(), leaf)
+calls.clear()
+outside = checkpoint(by_rows, inputs, leaf, use_reentrant=False)
 (by_autograd,) = torch.autograd.grad(outside.square().sum(), leaf)
-y = block(inputs, W)
+assert len(calls) == 2, calls
+y = (inputs @ W).tanh()
 closed_form = inputs.T @ (2 * y * (1 - y**2))
 check("checkpoint(vmap(f)), autograd", by_autograd, closed_form, 1e-15)
 
 # %%
-# jvp(f, primals, tangents): Expected primals and tangents to have the same python structure
-# ------------------------------------------------------------------------------------------
-# A ``RuntimeError`` when ``tangents`` is not a tuple of the same length as ``primals``; a
-# tangent of another shape than its primal raises ``Trying to set a forward gradient that has
-# a different size ...``. The fix: one tangent per primal, each shaped like it. The reference:
-# the product rule, ``d(a·sin b) = da·sin b + a·cos b·db``.
+# jvp(f, primals, tangents): Expected primals to be a tuple / primals and tangents to ...
+# ---------------------------------------------------------------------------------------
+# A ``RuntimeError`` when ``primals`` is not a tuple (a list, a tensor), or ``tangents`` not
+# one of the same length ("Expected primals and tangents to have the same python structure");
+# a tangent of another shape than its primal raises ``Trying to set a forward gradient that
+# has a different size ...``. The fix: a tuple of tangents, one per primal, each shaped like
+# it. The reference: the product rule, ``d(a·sin b) = da·sin b + a·cos b·db``.
 a, b, da, db = torch.randn(4, 5, **F64)
 wave = lambda a, b: a * b.sin()  # noqa: E731
+with fails_with(RuntimeError, "Expected primals to be a tuple. E.g. it should be"):
+    jvp(wave, [a, b], [da, db])
 with fails_with(RuntimeError, "Expected primals and tangents to have the same python"):
     jvp(wave, (a, b), (da,))
 with fails_with(RuntimeError, "Trying to set a forward gradient that has a different"):
@@ -262,24 +322,38 @@ check("argnums=1, the table", table_grad, 2 * table * counts[:, None], 1e-15)
 # %%
 # torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks
 # ----------------------------------------------------------------------------
-# A ``RuntimeError`` from ``checkpoint(use_reentrant=False)`` or
-# ``torch.autograd.graph.save_on_cpu`` inside a reverse-mode transform, both built on saved
-# tensor hooks. The fix: take the outer gradient with ``torch.autograd.grad``, where both
-# work, or drop them inside ``grad``. The reference: the closed form of the previous section.
+# A ``RuntimeError`` whenever saved tensor hooks (set by ``checkpoint(use_reentrant=False)`` and
+# ``torch.autograd.graph.save_on_cpu``, inside the function or around the call) are active
+# while ``grad``, ``vjp`` or ``jacrev`` runs. Per-sample gradients of a checkpointed model,
+# ``vmap(grad(f))``, raise it too, with no fix inside the transforms in 2.13: loop over the
+# samples, or drop checkpointing; for ``jacrev``'s memory, use ``chunk_size=`` instead
+# (:ref:`sphx_glr_auto_examples_models_as_functions_plot_memory_control.py`). Both run under
+# ``jvp``, ``jacfwd``, a forward-only ``vmap`` and ``torch.autograd.grad``. Reference: closed forms.
+sample_loss = lambda W, x: checkpoint(block, x, W, use_reentrant=False).square().sum()  # noqa
 with fails_with(RuntimeError, "don't yet support saved tensor hooks"):
-    grad(lambda W: checkpoint(block, inputs, W, use_reentrant=False).square().sum())(W)
+    vmap(grad(sample_loss), in_dims=(None, 0))(W, inputs)
 with fails_with(RuntimeError, "don't yet support saved tensor hooks"):
     with torch.autograd.graph.save_on_cpu():
         grad(lambda W: block(inputs, W).square().sum())(W)
+calls.clear()
+per_sample = [torch.autograd.grad(sample_loss(leaf, x), leaf)[0] for x in inputs]
+assert len(calls) == 2 * len(inputs), calls
+per_sample_by_hand = inputs[:, :, None] * (2 * y * (1 - y**2))[:, None, :]
+check("a loop over samples", torch.stack(per_sample), per_sample_by_hand, 1e-15)
+dW = torch.randn(3, 4, **F64)
+_, along = jvp(lambda W: checkpoint(block, inputs, W, use_reentrant=False), (W,), (dW,))
+check("checkpoint under jvp", along, (1 - y**2) * (inputs @ dW), 1e-15)
+calls.clear()
 with torch.autograd.graph.save_on_cpu():
     (offloaded,) = torch.autograd.grad(block(inputs, leaf).square().sum(), leaf)
+assert len(calls) == 1, calls
 check("save_on_cpu, autograd.grad", offloaded, closed_form, 1e-15)
 
 # %%
-# vmap(f, ..., out_dims=...): out_dims is not compatible / must only return Tensors
-# ---------------------------------------------------------------------------------
+# vmap(f, ..., out_dims=...)(<inputs>): out_dims is not compatible / must only return Tensors
+# -------------------------------------------------------------------------------------------
 # A ``ValueError`` when ``out_dims`` has more or fewer entries than ``f`` has outputs, or when
-# ``f`` returns a Python number (``f must only return Tensors, got type <class 'float'>``).
+# ``f`` returns a Python number (``vmap(f, ...): `f` must only return Tensors, got type``).
 # The fix: one ``out_dims`` entry per output, ``None`` for a value returned once; here each
 # standardised row lands in a column (``1``). The reference: the formula on the whole batch.
 
@@ -288,10 +362,10 @@ def standardise(row, eps=1e-6):
     return (row - row.mean()) / (row.std() + eps), eps
 
 
-with fails_with(ValueError, "must only return Tensors, got type <class 'float'>"):
-    vmap(standardise)(grid)
 with fails_with(ValueError, "out_dims is not compatible with the structure of"):
     vmap(standardise, out_dims=(1, None, None))(grid)
+with fails_with(ValueError, "must only return Tensors, got type <class 'float'>"):
+    vmap(standardise)(grid)
 columns, eps = vmap(standardise, out_dims=(1, None))(grid)
 centred, spread = grid - grid.mean(1, keepdim=True), grid.std(1, keepdim=True) + eps
 check("out_dims=(1, None)", columns, (centred / spread).T, 1e-15)
@@ -299,15 +373,18 @@ check("out_dims=(1, None)", columns, (centred / spread).T, 1e-15)
 # %%
 # vmap(f, in_dims=..., ...)(<inputs>): in_dims is not compatible / Got in_dim=...
 # -------------------------------------------------------------------------------
-# A ``ValueError`` when ``in_dims`` does not give one entry per argument, an axis the tensor
+# A ``ValueError`` when ``in_dims`` does not give one entry per argument, is a list
+# (``expected `in_dims` to be int or a (potentially nested) tuple``), gives an axis the tensor
 # lacks (``Got in_dim=1 for some input, but that input is a Tensor of dimensionality 1``), or
 # an axis to a Python number (``Got in_dim=0 for an input but the input is of type``). The fix:
-# per argument, the batch axis of a batched tensor and ``None`` for everything else.
+# a tuple with, per argument, the batch axis of a batched tensor and ``None`` for the rest.
 samples = torch.randn(3, 5, **F64)  # five samples, one per column
 weight, shift = torch.randn(2, 3, **F64), torch.randn(2, **F64)
 affine = lambda x, weight, shift: weight @ x + shift  # noqa: E731
 with fails_with(ValueError, "in_dims is not compatible with the structure of `inputs`"):
     vmap(affine, in_dims=(1, None))(samples, weight, shift)
+with fails_with(ValueError, "expected `in_dims` to be int or a (potentially nested)"):
+    vmap(affine, in_dims=[1, None, None])(samples, weight, shift)
 with fails_with(ValueError, "Got in_dim=1 for some input, but that input is a"):
     vmap(affine, in_dims=1)(samples, weight, shift)
 with fails_with(ValueError, "We cannot vmap over non-Tensor arguments, please use"):
@@ -344,10 +421,9 @@ check("vmap(jacrev(f))", jacobians, weight * (1 - rows.tanh() ** 2)[:, None, :],
 # Every fix against its reference
 # -------------------------------
 # Each fix's relative error (grey; an exact match drawn at 1e-18) and its bound (black).
-labels, pairs = list(measured), list(measured.values())
-errors, bounds = [max(e, 1e-18) for e, _ in pairs], [bound for _, bound in pairs]
-fig, ax = plt.subplots(figsize=(7, 6), layout="constrained")
-ax.barh(labels, errors, color="0.65", label="measured")
+labels, (errors, bounds) = list(measured), zip(*measured.values())
+fig, ax = plt.subplots(figsize=(7, 8), layout="constrained")
+ax.barh(labels, [max(e, 1e-18) for e in errors], color="0.65", label="measured")
 ax.scatter(bounds, labels, marker="|", s=220, color="black", label="bound")
 ax.set(xscale="log", xlim=(1e-19, 1e-9), xlabel="relative error against the reference")
 ax.set_title(f"{len(labels)} fixes, each checked on {device.type}")
@@ -356,24 +432,19 @@ ax.invert_yaxis()
 plt.show()
 
 # %%
-# Where to look when the message is not here
-# ------------------------------------------
-# Errors from batching rules, BatchNorm, ``has_aux`` floats, ``functional_call`` keywords and tied
-# weights, complex Jacobians and ``ZeroTensors``: part 1,
-# :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`. Code that runs but computes
-# something else (in-place writes, reductions over the batch, randomness, loss reductions):
-# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`. Custom ``autograd.Function`` and
-# operators: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
-
-# %%
 # What to remember
 # ----------------
-# * ``in_dims`` and ``out_dims`` take one entry per argument or output: the batch axis of a
-#   tensor, ``None`` for what is shared or not a tensor.
-# * ``grad`` wants a real scalar tensor (``(loss, aux)`` with ``has_aux``); ``jvp`` wants one
-#   tangent per primal and ``vjp`` one cotangent per output, each of the same shape.
+# * ``in_dims`` and ``out_dims`` are an int or a tuple (not a list), one entry per argument or
+#   output: the batch axis of a tensor, ``None`` for what is shared or not a tensor.
+# * ``grad`` wants a real scalar tensor (``(loss, aux)`` with ``has_aux``) and differentiates
+#   positional arguments only; ``jvp`` wants tuples, a tangent per primal, and ``vjp`` a
+#   cotangent per output, each of the same shape.
 # * Inside a transform, ask for gradients as outputs (``grad``, ``jacrev``), never by
-#   ``.backward()``, ``requires_grad_()`` or ``torch.autograd.functional``.
-# * Checkpointing and ``save_on_cpu`` go outside the transforms (``checkpoint(vmap(f))``), the
-#   gradient by autograd; NumPy goes out of ``vmap`` (use torch operators).
-# * ``functional_call`` ignores misspelt names unless ``strict=True``: check the names.
+#   ``.backward()``, ``requires_grad_()`` or ``torch.autograd.functional``; give a custom
+#   ``autograd.Function`` ``setup_context``, a vmap rule and ``jvp``. NumPy goes out of ``vmap``.
+# * Saved tensor hooks (``checkpoint(use_reentrant=False)``, ``save_on_cpu``) run under ``jvp``,
+#   ``jacfwd`` and a forward-only ``vmap``, not while ``grad``, ``vjp`` or ``jacrev`` runs,
+#   ``vmap(grad(f))`` included: loop over samples, or take one gradient by
+#   ``torch.autograd.grad`` (``checkpoint(vmap(f), ..., use_reentrant=False)``).
+# * Check names for ``functional_call`` against ``named_parameters()`` and ``named_buffers()``,
+#   or with ``strict=True``; ``stack_module_state`` wants a parameter frozen in all or none.
