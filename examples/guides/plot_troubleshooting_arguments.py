@@ -322,13 +322,13 @@ check("argnums=1, the table", table_grad, 2 * table * counts[:, None], 1e-15)
 # %%
 # torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks
 # ----------------------------------------------------------------------------
-# A ``RuntimeError`` whenever saved tensor hooks (set by ``checkpoint(use_reentrant=False)`` and
-# ``torch.autograd.graph.save_on_cpu``, inside the function or around the call) are active
-# while ``grad``, ``vjp`` or ``jacrev`` runs. Per-sample gradients of a checkpointed model,
-# ``vmap(grad(f))``, raise it too, with no fix inside the transforms in 2.13: loop over the
-# samples, or drop checkpointing; for ``jacrev``'s memory, use ``chunk_size=`` instead
-# (:ref:`sphx_glr_auto_examples_models_as_functions_plot_memory_control.py`). Both run under
-# ``jvp``, ``jacfwd``, a forward-only ``vmap`` and ``torch.autograd.grad``. Reference: closed forms.
+# A ``RuntimeError`` whenever saved tensor hooks (``checkpoint(use_reentrant=False)``,
+# ``torch.autograd.graph.save_on_cpu``, inside the function or around it) are active while
+# ``grad``, ``vjp`` or ``jacrev`` runs, ``vmap(grad(f))`` included: there, 2.13 cannot run
+# ``torch.utils.checkpoint``. Loop over samples, drop it, or rerun the block in your own
+# Function's backward (:doc:`plot_extending_torch_func`; not checked here). For ``jacrev``'s
+# memory, use ``chunk_size=`` (:doc:`../models_as_functions/plot_memory_control`). Both hooks run
+# under ``jvp``, ``jacfwd``, a forward-only ``vmap`` and ``autograd.grad``. Reference: closed forms.
 sample_loss = lambda W, x: checkpoint(block, x, W, use_reentrant=False).square().sum()  # noqa
 with fails_with(RuntimeError, "don't yet support saved tensor hooks"):
     vmap(grad(sample_loss), in_dims=(None, 0))(W, inputs)
@@ -444,7 +444,6 @@ plt.show()
 #   ``autograd.Function`` ``setup_context``, a vmap rule and ``jvp``. NumPy goes out of ``vmap``.
 # * Saved tensor hooks (``checkpoint(use_reentrant=False)``, ``save_on_cpu``) run under ``jvp``,
 #   ``jacfwd`` and a forward-only ``vmap``, not while ``grad``, ``vjp`` or ``jacrev`` runs,
-#   ``vmap(grad(f))`` included: loop over samples, or take one gradient by
-#   ``torch.autograd.grad`` (``checkpoint(vmap(f), ..., use_reentrant=False)``).
+#   ``vmap(grad(f))`` included: loop over samples, or recompute in your own Function.
 # * Check names for ``functional_call`` against ``named_parameters()`` and ``named_buffers()``,
 #   or with ``strict=True``; ``stack_module_state`` wants a parameter frozen in all or none.
