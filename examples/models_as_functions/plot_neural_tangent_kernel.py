@@ -286,8 +286,8 @@ for batch_2_size in [8, 1]:
 # The products build ``J₂`` (its size is printed beside their peak) and then push all its
 # ``N₂·10`` rows through batch 1 at once; the contraction builds both batches' Jacobians. On the
 # widest network, with 8 images in batch 2, we measure the push-forward alone (80 rows of a
-# Jacobian computed beforehand, so not counted) with all 80 rows and with the first 10. If every row's tangent
-# activations are held at once, the peak grows with the rows.
+# Jacobian computed beforehand, so not counted) with all 80 rows and with the first 10. If
+# every row's tangent activations are held at once, the peak grows with the rows.
 rows = pull_back(net, net_params, sweep_images_1)
 push_peak = {}
 for count in (10, 80):
@@ -300,12 +300,12 @@ print(f"pushing rows through batch 1: {push_peak[10]:.1f} MiB for 10 rows, "
 assert push_peak[80] > 5 * push_peak[10], "the push-forward held fewer rows at once"
 
 # %%
-# So with ``N₂ = N₁`` the products save one of the two Jacobians, and the tangent activations
-# of batch 1 come on top, outweighing it. When batch 2 is small, the products hold one small Jacobian and the
-# contraction still holds batch 1's. We assert, at every width, that the products take more
-# memory than the contraction with 8 images in batch 2, and that the ratio drops with one image;
-# and that with one image they take less at the widest network. So: pull back the *smaller*
-# batch (swap the roles and transpose the kernel if need be).
+# So with ``N₂ = N₁`` the products save one of the two Jacobians, and the tangent activations of
+# batch 1 come on top, outweighing it. When batch 2 is small, the products hold one small
+# Jacobian and the contraction still holds batch 1's. We assert, at every width, that the
+# products take more memory than the contraction with 8 images in batch 2, and that the ratio
+# drops with one image; and that with one image they take less at the widest network. So: pull
+# back the *smaller* batch (swap the roles and transpose the kernel if need be).
 memory_ratio = {
     (r["N₂"], r["P"]): r["ntk-vector products"][1] / r["jacrev"][1] for r in sweep
 }
