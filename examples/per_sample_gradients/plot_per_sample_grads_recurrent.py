@@ -2,23 +2,19 @@
 Per-sample gradients through GRU and LSTM layers
 ================================================
 
-``vmap(grad(loss))`` through an unmodified :class:`~torch.nn.GRU` stops with an error, and
-through :class:`~torch.nn.LSTM` it does or not depending on dtype and backend, as users keep
-reporting. This page triggers those errors on a small sequence classifier, finds out from the
-messages and the operators' schemas why they happen, and computes per-sample gradients in ways
-that work: a hand-written time loop over the module's own parameters (any device), a batched
-initial state (a CPU shortcut) and the cells. Every route is checked against a float64 loop,
-sample by sample. Then an ensemble of LSTMs, and what each route costs.
+Through :class:`~torch.nn.GRU`, ``vmap(grad(loss))`` stops with an error; through
+:class:`~torch.nn.LSTM`, by dtype and backend. First, a route that works, checked against a
+float64 loop: the module's own parameters through a hand-written time loop, also stacked,
+bidirectional or over sequences of different lengths; then the errors, and their causes.
 """
 
 # %%
 # Setup
 # -----
-# The data are drawn on the CPU, the same on every device. The demonstrations of what fails
-# run on the CPU on every machine: on CUDA the modules call cuDNN, and the messages differ.
 import copy
 import re
 import warnings
+from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
@@ -34,28 +30,166 @@ torch.backends.cudnn.allow_tf32 = False  # float32 checks through cuDNN; no-op o
 METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73", "batched": "#666666",
                  "hand-written": "#999933"}  # fmt: skip
 n_samples, seq_len, n_in, n_hidden, n_classes = 32, 12, 8, 16, 3
-sequences = torch.randn(n_samples, seq_len, n_in)
+sequences = torch.randn(n_samples, seq_len, n_in)  # on the CPU: the same everywhere
 labels = torch.randint(0, n_classes, (n_samples,))
+WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # of each layer, by suffix
+
+
+# %%
+# The recipe: the module's parameters, a hand-written time loop
+# -------------------------------------------------------------
+# A recurrent layer reads the sequence, a linear head its last output. We run the layer's
+# equations ourselves, out of place, on ``nn.GRU``'s own parameters by their own names
+# (``weight_ih_l0`` stacks the input weights of the gates ``r, z, n``, PyTorch's documented
+# order), so the dictionaries of :func:`~torch.func.functional_call` still fit.
+class SequenceClassifier(nn.Module):
+    def __init__(self, recurrent_layer, num_layers=1, bidirectional=False):
+        super().__init__()
+        self.rnn = recurrent_layer(n_in, n_hidden, num_layers, batch_first=True,
+                                   bidirectional=bidirectional)  # fmt: skip
+        self.head = nn.Linear(n_hidden * (1 + bidirectional), n_classes)
+
+    def forward(self, seqs, state=None):
+        return self.head(self.rnn(seqs, state)[0][..., -1, :])  # (B, L, H) or (L, H)
+
+
+def gru_steps(p, seqs, layer="l0"):
+    """nn.GRU's `layer` (l0, l1, l0_reverse...) over seqs (..., L, H_in) from zeros."""
+    w_ih, w_hh, b_ih, b_hh = (p[f"{w}_{layer}"] for w in WEIGHTS)
+    h, outputs = seqs.new_zeros(*seqs.shape[:-2], w_hh.shape[1]), []
+    for xg in F.linear(seqs, w_ih, b_ih).unbind(-2):  # inputs' share, all steps at once
+        x_r, x_z, x_n = xg.chunk(3, dim=-1)
+        h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
+        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+        h = (1 - z) * torch.tanh(x_n + r * h_n) + z * h
+        outputs.append(h)
+    return torch.stack(outputs, dim=-2)
+
+
+def loss_by_hand(layers):
+    def loss(params, seq, label):
+        outputs = layers({k[4:]: v for k, v in params.items() if k[:4] == "rnn."}, seq)
+        logits = F.linear(outputs[-1], params["head.weight"], params["head.bias"])
+        return F.cross_entropy(logits, label)
+
+    return loss
+
+
+models = {"GRU": SequenceClassifier(nn.GRU), "LSTM": SequenceClassifier(nn.LSTM)}
+params32 = {kind: m.state_dict() for kind, m in models.items()}  # detached parameters
+per_sample = vmap(grad(loss_by_hand(gru_steps)), in_dims=(None, 0, 0))
+grads = per_sample(params32["GRU"], sequences, labels)
+print("rnn.weight_hh_l0:", tuple(params32["GRU"]["rnn.weight_hh_l0"].shape), "->",
+      tuple(grads["rnn.weight_hh_l0"].shape), "per-sample gradients")  # fmt: skip
+
+
+# %%
+# The LSTM's gates come in the order ``i, f, g, o``. A stacked layer reads the outputs of the
+# layer below (``weight_ih_l1``...); a bidirectional one adds a pass over the reversed
+# sequence (``weight_ih_l0_reverse``...), whose outputs, turned back, join the forward ones.
+def lstm_steps(p, seqs, layer="l0"):
+    w_ih, w_hh, b_ih, b_hh = (p[f"{w}_{layer}"] for w in WEIGHTS)
+    h = c = seqs.new_zeros(*seqs.shape[:-2], w_hh.shape[1])
+    outputs = []
+    for xg in F.linear(seqs, w_ih, b_ih).unbind(-2):
+        i, f, g, o = (xg + F.linear(h, w_hh, b_hh)).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        outputs.append(h)
+    return torch.stack(outputs, dim=-2)
+
+
+def layers_by_hand(rnn, p, seqs):
+    """The hand-written counterpart of an nn.GRU or nn.LSTM, all layers and directions."""
+    steps = {"GRU": gru_steps, "LSTM": lstm_steps}[rnn.mode]
+    for k in range(rnn.num_layers):
+        out = steps(p, seqs, f"l{k}")
+        if rnn.bidirectional:
+            back = steps(p, seqs.flip(-2), f"l{k}_reverse").flip(-2)
+            out = torch.cat([out, back], dim=-1)
+        seqs = out
+    return seqs
+
+
+# %%
+# **The checks.** In float64 on the CPU, the hidden state of every step of every sequence is
+# compared with the module's, for one layer and for two bidirectional ones. Then the
+# per-sample gradients, on ``device`` in float64 and float32, with the float64 module run on
+# one sample at a time by :func:`torch.autograd.grad`: each parameter of each sample on its
+# own, by ``‖g − g_ref‖ / ‖g_ref‖``, so that no small tensor or sample is drowned.
+def loop_reference(model, seqs, targets, lengths=(seq_len,) * n_samples):
+    names, weights = zip(*model.named_parameters())
+    rows = [torch.autograd.grad(F.cross_entropy(model(s[None, :n]), y[None]), weights)
+            for s, y, n in zip(seqs, targets, lengths)]  # fmt: skip
+    return {name: torch.stack(g) for name, g in zip(names, zip(*rows))}
+
+
+def check_per_sample(found, reference, bound, what):
+    worst = 0.0
+    for pname, ref_grad in reference.items():
+        diff = (found[pname].cpu().double() - ref_grad).flatten(1).norm(dim=1)
+        norms = ref_grad.flatten(1).norm(dim=1)  # where zero, the error is absolute:
+        errors = torch.where(norms > 0, diff / norms, diff)  # one per sample
+        i = errors.argmax().item()
+        assert errors[i] < bound, f"{what}: {pname}, sample {i}: {errors[i]:.1e}"
+        worst = max(worst, errors[i].item())
+    print(f"{what}: worst error {worst:.1e}, bound {bound:.0e} ({bound / worst:.0f}x)")
+
+
+deep = {f"2-layer bidirectional {k}": SequenceClassifier(m, 2, True) for k, m in
+        (("GRU", nn.GRU), ("LSTM", nn.LSTM))}  # fmt: skip
+models64 = {kind: copy.deepcopy(m).double() for kind, m in (models | deep).items()}
+on_device = {k: {n: p.to(device) for n, p in m.state_dict().items()}
+             for k, m in (models | deep).items()}  # fmt: skip
+seqs64, seqs_dev = sequences.double(), sequences.to(device)
+labels_dev = labels.to(device)
+references = {}
+for kind, model in models64.items():
+    found = layers_by_hand(model.rnn, dict(model.rnn.named_parameters()), seqs64)
+    expected = model.rnn(seqs64)[0]
+    error = ((found - expected).abs().max() / expected.abs().max()).item()
+    print(f"{kind} by hand vs the module, float64: max relative deviation {error:.1e}")
+    assert error < 1e-14, f"{kind}: the hand-written layer is not the module"
+    references[kind] = loop_reference(model, seqs64, labels)
+    fn = vmap(grad(loss_by_hand(partial(layers_by_hand, model.rnn))), (None, 0, 0))
+    as64 = {n: p.double() for n, p in on_device[kind].items()}
+    grads = fn(as64, seqs_dev.double(), labels_dev)
+    check_per_sample(grads, references[kind], 1e-14, f"{kind} by hand, float64")
+    grads = fn(on_device[kind], seqs_dev, labels_dev)
+    check_per_sample(grads, references[kind], 5e-6, f"{kind} by hand, float32")
+
+
+# %%
+# Sequences of different lengths
+# ------------------------------
+# Pad the batch to one length and map the lengths along with it; each sample's loss reads the
+# output at its own last valid step, picked by a mask. One direction never reads ahead, so
+# the padding after that step changes nothing (a reverse pass would read it first: not this
+# way). The reference runs the float64 module on each unpadded sequence alone.
+lengths = torch.randint(2, seq_len + 1, (n_samples,))
+padded = sequences * (torch.arange(seq_len) < lengths[:, None])[..., None]
+
+
+def loss_of_padded(params, seq, label, length):
+    outputs = gru_steps({k[4:]: v for k, v in params.items() if k[:4] == "rnn."}, seq)
+    last = (outputs * (torch.arange(seq_len) == length - 1)[:, None]).sum(0)
+    logits = F.linear(last, params["head.weight"], params["head.bias"])
+    return F.cross_entropy(logits, label)
+
+
+padded_fn = vmap(grad(loss_of_padded), in_dims=(None, 0, 0, 0))
+grads = padded_fn(params32["GRU"], padded, labels, lengths)
+reference = loop_reference(models64["GRU"], seqs64, labels, lengths)  # unpadded
+check_per_sample(grads, reference, 5e-6, "GRU by hand, padded, float32")
 
 
 # %%
 # A sequence classifier, and what fails
 # -------------------------------------
-# An unmodified recurrent layer reads the sequence; a linear head reads its last output. The
-# recipe of :ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads.py`
-# maps ``grad`` of one sample's loss, written with :func:`~torch.func.functional_call`, over
-# the batch. ``nn.GRU`` accepts one unbatched ``(L, H_in)`` sequence too, so we try both forms.
-class SequenceClassifier(nn.Module):
-    def __init__(self, recurrent_layer):
-        super().__init__()
-        self.rnn = recurrent_layer(n_in, n_hidden, batch_first=True)
-        self.head = nn.Linear(n_hidden, n_classes)
-
-    def forward(self, seqs, state=None):
-        outputs, _ = self.rnn(seqs, state)
-        return self.head(outputs[..., -1, :])  # (B, L, H) or (L, H)
-
-
+# The recipe of :ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads.py`,
+# ``grad`` of one sample's loss through the unmodified module, mapped over the batch, in both
+# the forms ``nn.GRU`` accepts: a batch of one, and one unbatched ``(L, H_in)`` sequence. On
+# every machine this runs on the CPU (on CUDA the modules call cuDNN: probably other messages).
 def loss_of_one(model, unbatched=False):
     def loss(params, seq, label, state=None):
         if unbatched:
@@ -76,160 +210,60 @@ def raises(expected, fn, *args):
     raise AssertionError(f"no error raised; expected {expected!r}")
 
 
-models = {"GRU": SequenceClassifier(nn.GRU), "LSTM": SequenceClassifier(nn.LSTM)}
-params32 = {kind: m.state_dict() for kind, m in models.items()}  # detached parameters
-failing = [("GRU", torch.float32, False), ("GRU", torch.float32, True),
-           ("LSTM", torch.float64, False)]  # fmt: skip
+clash = "[1, {0}] doesn't match the broadcast shape [" + f"{n_samples}, 1, {{0}}]"
+
+f32, f64 = torch.float32, torch.float64
+failing = [("GRU", f32, False), ("GRU", f32, True), ("LSTM", f64, False)]
 for kind, dtype, unbatched in failing:
     fn = vmap(grad(loss_of_one(models[kind], unbatched)), in_dims=(None, 0, 0))
     params = {n: p.to(dtype) for n, p in params32[kind].items()}
-    w = n_hidden if kind == "GRU" else 4 * n_hidden
-    shapes = f"[1, {w}] doesn't match the broadcast shape [{n_samples}, 1, {w}]"
-    message = raises(shapes, fn, params, sequences.to(dtype), labels)
+    width = n_hidden if kind == "GRU" else 4 * n_hidden
+    message = raises(clash.format(width), fn, params, sequences.to(dtype), labels)
     form = "unbatched" if unbatched else "batch of one"
     print(f"nn.{kind}, {dtype}, {form}: RuntimeError: {message}")
 
 # %%
 # Why it fails
 # ------------
-# Without ``grad``, ``vmap`` of the forward pass alone gives the message of pytorch#134606 and
-# functorch#1147. When an operator has no batching rule, ``vmap`` falls back to calling it
-# once per sample and stacking the results; but that fallback refuses operators that take a
-# list of tensors (``areAnyArgumentsTensorList`` in PyTorch's
-# ``aten/src/ATen/functorch/BatchedFallback.cpp``), and ``aten::gru`` takes its weights as
-# one, ``Tensor[] params``, as its schema shows:
+# ``vmap`` of the forward pass alone gives the message of pytorch#134606 and functorch#1147.
+# An operator with no batching rule goes to ``vmap``'s fallback, which calls it once per
+# sample and stacks the results, but refuses operators that take a list of tensors
+# (``areAnyArgumentsTensorList`` in ``aten/src/ATen/functorch/BatchedFallback.cpp``), and
+# ``aten::gru`` takes ``Tensor[] params``. Under ``grad`` the fallback never sees
+# ``aten::gru``: of the dispatch keys printed below it has a kernel for
+# ``CompositeImplicitAutograd`` only (oneDNN's layer has a CPU one), so ``grad``, the inner
+# transform, first breaks it into ``RNN.cpp``'s time loop of small operations.
 message = raises("We could not generate a fallback", vmap(models["GRU"]), sequences)
 print(f"vmap(model) -> RuntimeError: {message}")
 gru_schema = str(torch.ops.aten.gru.input._schema)
 assert "Tensor[] params" in gru_schema, gru_schema
 print(gru_schema)
+has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+keys = ("CompositeImplicitAutograd", "Autograd", "CPU", "CUDA", "FuncTorchBatched")
+for op in ("aten::gru.input", "aten::mkldnn_rnn_layer"):
+    print(f"{op} has kernels for {[k for k in keys if has_kernel(op, k)]}")
+assert [k for k in keys if has_kernel("aten::gru.input", k)] == [keys[0]]
 
 # %%
-# Under ``grad`` the message comes from *inside* ``aten::gru``'s C++ implementation
-# (``aten/src/ATen/native/RNN.cpp``): a loop over time steps of small operations, into which
-# the call is broken before ``vmap`` sees it. The shapes name the culprit. ``[1, 16]`` is a
-# gate computed from the hidden state, which has no sample dimension: ``nn.GRU`` made its
-# initial state itself, ``torch.zeros`` for a batch of one, out of ``vmap``'s reach.
-# ``[32, 1, 16]`` is that gate's share from the inputs, one per sample. The CPU cell adds the
-# second into the first *in place* (``chunked_hgates[0].add_(chunked_igates[0])``), and an
-# in-place write cannot give a tensor a batch dimension
-# (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`).
-# The LSTM cell does the same with its four gates at once, hence ``[1, 64]``.
-
-
-# %%
-# The recipe: the module's parameters, a hand-written time loop
-# -------------------------------------------------------------
-# We run the same equations ourselves, with out-of-place operations only. The functions read
-# ``nn.GRU``'s and ``nn.LSTM``'s own parameters under their own names (``weight_ih_l0`` holds
-# the input weights of all gates, stacked), so the dictionaries of
-# :func:`~torch.func.functional_call` still fit. The gate order is PyTorch's documented one:
-# ``r, z, n`` for the GRU, ``i, f, g, o`` for the LSTM. The inputs' share of the gates is
-# computed for all steps at once; only the recurrent share runs step by step.
-def gru_steps(p, seqs):
-    """One-layer nn.GRU over seqs (..., L, H_in) from a zero state: all hidden states."""
-    x_gates = F.linear(seqs, p["weight_ih_l0"], p["bias_ih_l0"]).unbind(-2)
-    h = torch.zeros_like(x_gates[0][..., : p["weight_hh_l0"].shape[1]])
-    outputs = []
-    for xg in x_gates:
-        x_r, x_z, x_n = xg.chunk(3, dim=-1)
-        h_r, h_z, h_n = F.linear(h, p["weight_hh_l0"], p["bias_hh_l0"]).chunk(3, -1)
-        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
-        n = torch.tanh(x_n + r * h_n)
-        h = (1 - z) * n + z * h
-        outputs.append(h)
-    return torch.stack(outputs, dim=-2)
-
-
-def lstm_steps(p, seqs):
-    """One-layer nn.LSTM over seqs (..., L, H_in) from a zero state: all hidden states."""
-    x_gates = F.linear(seqs, p["weight_ih_l0"], p["bias_ih_l0"]).unbind(-2)
-    h = c = torch.zeros_like(x_gates[0][..., : p["weight_hh_l0"].shape[1]])
-    outputs = []
-    for xg in x_gates:
-        gates = xg + F.linear(h, p["weight_hh_l0"], p["bias_hh_l0"])
-        i, f, g, o = gates.chunk(4, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        outputs.append(h)
-    return torch.stack(outputs, dim=-2)
-
-
-steps_by_hand = {"GRU": gru_steps, "LSTM": lstm_steps}
-
-
-def loss_by_hand(kind):
-    def loss(params, seq, label):
-        layer = {k[4:]: v for k, v in params.items() if k.startswith("rnn.")}
-        last = steps_by_hand[kind](layer, seq)[-1]
-        logits = F.linear(last, params["head.weight"], params["head.bias"])
-        return F.cross_entropy(logits, label)
-
-    return loss
-
-
-# %%
-# **Check 1: the hand-written layers are the modules.** In float64 on the CPU, the hidden state
-# of every step of every sequence is compared with the module's own output.
-models64 = {kind: copy.deepcopy(m).double() for kind, m in models.items()}
-for kind, model in models64.items():
-    layer = {n: p.detach() for n, p in model.rnn.named_parameters()}
-    expected = model.rnn(sequences.double())[0].detach()
-    found = steps_by_hand[kind](layer, sequences.double())
-    error = ((found - expected).abs().max() / expected.abs().max()).item()
-    print(f"{kind} by hand vs nn.{kind}, float64: max relative deviation {error:.1e}")
-    assert error < 1e-14, f"{kind}: the hand-written layer is not the module"
-
-
-# %%
-# **Check 2: per-sample gradients.** The reference runs the float64 module on one sample at a
-# time with :func:`torch.autograd.grad`. Each parameter of each sample is compared on its own,
-# by ``‖g − g_ref‖ / ‖g_ref‖``, so that neither a small tensor (a bias) nor one sample is
-# drowned by the rest. The recipe runs on ``device``, in float64 and in float32.
-def loop_reference(model, seqs, targets):
-    names, weights = zip(*model.named_parameters())
-    rows = [torch.autograd.grad(F.cross_entropy(model(s[None]), y[None]), weights)
-            for s, y in zip(seqs, targets)]  # fmt: skip
-    return {name: torch.stack(g) for name, g in zip(names, zip(*rows))}
-
-
-def check_per_sample(found, reference, bound, what):
-    worst = 0.0
-    for pname, ref_grad in reference.items():
-        diff = (found[pname].cpu().double() - ref_grad).flatten(1).norm(dim=1)
-        errors = diff / ref_grad.flatten(1).norm(dim=1)  # one per sample
-        i = errors.argmax().item()
-        assert errors[i] < bound, f"{what}: {pname}, sample {i}: {errors[i]:.1e}"
-        worst = max(worst, errors[i].item())
-    print(f"{what}: worst error {worst:.1e}, bound {bound:.0e} ({bound / worst:.0f}x)")
-
-
-seqs64 = sequences.double()
-references = {k: loop_reference(m, seqs64, labels) for k, m in models64.items()}
-by_hand_fns = {k: vmap(grad(loss_by_hand(k)), in_dims=(None, 0, 0)) for k in models}
-on_device = {k: {n: p.to(device) for n, p in ps.items()} for k, ps in params32.items()}
-seqs_dev, labels_dev = sequences.to(device), labels.to(device)
-for kind, fn in by_hand_fns.items():
-    as64 = {n: p.double() for n, p in on_device[kind].items()}
-    grads = fn(as64, seqs_dev.double(), labels_dev)
-    check_per_sample(grads, references[kind], 1e-14, f"{kind} by hand, float64")
-    grads = fn(on_device[kind], seqs_dev, labels_dev)
-    check_per_sample(grads, references[kind], 5e-6, f"{kind} by hand, float32")
-print("rnn.weight_hh_l0:", tuple(params32["LSTM"]["rnn.weight_hh_l0"].shape), "->",
-      tuple(grads["rnn.weight_hh_l0"].shape), "per-sample gradients")  # fmt: skip
+# The error under ``grad`` comes from those pieces, and its shapes name the culprit. The
+# first is a gate computed from the hidden state, which has no sample dimension: ``nn.GRU``
+# made its initial state itself, for a batch of one, out of ``vmap``'s reach. The second is
+# that gate's share from the inputs, one per sample. The CPU cell adds the second into the
+# first *in place* (``chunked_hgates[0].add_(chunked_igates[0])``), and an in-place write
+# cannot give a tensor a batch dimension (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`).
+# The LSTM cell does the same with its four gates at once: wider gates in its message.
 
 
 # %%
 # A shortcut on the CPU: a batched initial state
 # ----------------------------------------------
 # If the trouble is a state without a sample dimension, pass one with it: zeros of shape
-# ``(B, 1, 1, H)`` mapped by ``vmap`` like the data, so that each sample gets a
-# ``(num_layers, 1, H)`` state of its own (a pair of them for the LSTM). On the CPU the
-# module then runs, and matches the loop. The LSTM in float32 warns, and runs even with its
-# own state: there ``nn.LSTM`` goes through oneDNN's ``aten::mkldnn_rnn_layer``, which has no
-# batching rule and takes no list of tensors, so the fallback runs it once per sample:
-# correct, but a loop in disguise. So whether ``nn.LSTM`` fails depends on dtype and oneDNN.
-# (``aten::unsafe_chunk``, where pytorch#105311 stopped, is called by the CPU cells and runs.)
+# ``(B, 1, 1, H)`` mapped by ``vmap`` like the data give each sample a ``(num_layers, 1, H)``
+# state of its own (a pair for the LSTM). On the CPU the module then runs, and matches the
+# loop. The LSTM in float32 warns, and runs even with its own state: there it goes through
+# oneDNN's ``aten::mkldnn_rnn_layer``, which has no batching rule and takes no list of
+# tensors, so the fallback takes it (the warning names it) and calls it sample by sample;
+# that route is not timed here. ``aten::unsafe_chunk``, where pytorch#105311 stopped, runs.
 def batched_zeros(kind, dtype):
     zeros = torch.zeros(n_samples, 1, 1, n_hidden, dtype=dtype)
     return zeros if kind == "GRU" else (zeros, zeros.clone())
@@ -245,7 +279,6 @@ def fallback_ops(fn, *args):
 
 
 onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-f32, f64 = torch.float32, torch.float64
 cases = [("GRU", f64, 0), ("GRU", f32, 0), ("LSTM", f64, 0), ("LSTM", f32, 0)]
 for kind, dtype, state_dim in cases + ([("LSTM", f32, None)] if onednn else []):
     fn = vmap(grad(loss_of_one(models[kind])), in_dims=(None, 0, 0, state_dim))
@@ -259,33 +292,31 @@ for kind, dtype, state_dim in cases + ([("LSTM", f32, None)] if onednn else []):
     print(f"    fallback warnings for: {', '.join(slow) or 'none'}")
 
 # %%
-# On a GPU, ``nn.GRU`` and ``nn.LSTM`` call cuDNN's fused operator, whose schema also takes a
-# ``Tensor[]``; so there the shortcut probably stops at the fallback, like ``vmap(model)``
-# above. The page checks the schema, and on CUDA prints what happens.
+# On a GPU the modules probably call cuDNN's fused operator, whose schema also takes a
+# ``Tensor[]``: there the shortcut probably stops at the fallback. On CUDA the page prints it.
 cudnn_schema = str(torch.ops.aten._cudnn_rnn.default._schema)
 assert "Tensor[] weight" in cudnn_schema, cudnn_schema
 gru_shortcut = vmap(grad(loss_of_one(models["GRU"])), in_dims=(None, 0, 0, 0))
-on_gpu = device.type == "cuda"
-if on_gpu:
+if device.type == "cuda":
     try:
         gpu_state = batched_zeros("GRU", f32).to(device)
         grads = gru_shortcut(on_device["GRU"], seqs_dev, labels_dev, gpu_state)
+        check_per_sample(grads, references["GRU"], 5e-6, "nn.GRU, batched state, CUDA")
     except RuntimeError as err:
         print(f"on CUDA, the shortcut fails: {str(err).splitlines()[0]}")
-    else:
-        check_per_sample(grads, references["GRU"], 5e-6, "nn.GRU, batched state, CUDA")
 
 
 # %%
 # ``nn.GRUCell`` and ``nn.LSTMCell``
 # ----------------------------------
-# A cell takes one step; a Python loop drives it over time. Mapping a cell's forward pass
-# alone (pytorch#112459) shows the fallback's two faces: ``aten::gru_cell`` takes tensors only,
-# so the fallback runs it once per sample and warns; ``aten::lstm_cell`` takes its state as a
-# ``Tensor[]``, so it stops. Under ``grad``, with a batched state, both cells run without a
-# warning on the CPU and match the loop; we give them the layers' weights under the cells'
-# names. On CUDA, ``RNN.cpp``'s GRU cell calls ``aten::_thnn_fused_gru_cell``, which has no
-# batching rule either: probably the warning of pytorch#144850. This section runs on the CPU.
+# A cell takes one step; a Python loop drives it over time. This section runs on the CPU.
+# Mapping a cell's forward pass alone (pytorch#112459) shows the fallback's two faces:
+# ``aten::gru_cell`` takes tensors only, so the fallback runs it once per sample and warns;
+# ``aten::lstm_cell`` takes its state as a ``Tensor[]``, so it stops. Under ``grad``, with the
+# layers' weights under the cells' names, both cells give the layers' error when they make
+# their own state, and with a batched state run without a warning and match the loop. On CUDA
+# the GRU cell probably calls ``aten::_thnn_fused_gru_cell``, which has no batching rule
+# either: probably the warning of pytorch#144850.
 cells = {"GRU": nn.GRUCell(n_in, n_hidden), "LSTM": nn.LSTMCell(n_in, n_hidden)}
 out, slow = fallback_ops(vmap(cells["GRU"]), sequences[:, 0])
 error = (out - cells["GRU"](sequences[:, 0])).abs().max().item()
@@ -308,11 +339,15 @@ def loss_through_cell(cell):
 
 
 for kind, cell in cells.items():
+    own = vmap(grad(loss_through_cell(cell)), in_dims=(None, 0, 0, None))
+    width = n_hidden if kind == "GRU" else 4 * n_hidden
+    message = raises(clash.format(width), own, params32[kind], sequences, labels, None)
+    print(f"nn.{kind}Cell, its own state: RuntimeError: {message}")
     zeros = torch.zeros(n_samples, n_hidden)
     state = zeros if kind == "GRU" else (zeros, zeros.clone())
     fn = vmap(grad(loss_through_cell(cell)), in_dims=(None, 0, 0, 0))
     grads, slow = fallback_ops(fn, params32[kind], sequences, labels, state)
-    check_per_sample(grads, references[kind], 5e-6, f"nn.{kind}Cell, float32")
+    check_per_sample(grads, references[kind], 5e-6, f"nn.{kind}Cell, batched state")
     assert not slow, slow
 
 
@@ -322,51 +357,42 @@ for kind, cell in cells.items():
 # :func:`~torch.func.stack_module_state` stacks the parameters of models of one shape, and
 # ``vmap`` over :func:`~torch.func.functional_call` runs them all in one call. For LSTMs
 # (pytorch#105982) the forward pass stops at the fallback, for the reason above. The
-# hand-written layer, mapped over the stacked parameters instead of the data, runs every
-# member; each is checked against calling its own module.
+# hand-written layer, mapped over the stacked parameters instead, runs every member.
 members = [nn.LSTM(n_in, n_hidden, batch_first=True) for _ in range(4)]
 stacked, stacked_buffers = stack_module_state(members)
-
-
-def member_outputs(params, buffers, seqs):
-    return functional_call(members[0], (params, buffers), (seqs,))[0]
-
-
-all_members = vmap(member_outputs, in_dims=(0, 0, None))
+all_members = vmap(lambda p, b, s: functional_call(members[0], (p, b), (s,))[0],
+                   in_dims=(0, 0, None))  # fmt: skip
 raises(no_rule.format("lstm.input"), all_members, stacked, stacked_buffers, sequences)
 ensemble_fn = vmap(lstm_steps, in_dims=(0, None))
 outputs = ensemble_fn({k: v.to(device) for k, v in stacked.items()}, seqs_dev).cpu()
-print(f"outputs of {len(members)} members: {tuple(outputs.shape)}")
-for m, member in enumerate(members):
-    expected = member(sequences)[0].detach()
-    error = ((outputs[m] - expected).abs().max() / expected.abs().max()).item()
-    print(f"  member {m}: deviation {error:.1e} from its own module (bound 5e-6)")
-    assert error < 5e-6, f"ensemble member {m}: {error:.1e}"
+expected = torch.stack([member(sequences)[0] for member in members]).detach()
+errors = (outputs - expected).abs().amax((1, 2, 3)) / expected.abs().amax((1, 2, 3))
+print(f"members' deviations {[f'{e:.1e}' for e in errors.tolist()]}, bound 5e-6")
+assert (errors < 5e-6).all(), errors
 
 
 # %%
 # Cost
 # ----
-# The GRU classifier's gradients four ways, on ``device``: ``loop`` runs the module once per
-# sample; ``hand-written`` is the recipe; ``vmap`` is the module with a batched state, timed on
-# the CPU only, where it runs; ``batched`` is one ordinary gradient of the batch mean, which
-# gives no per-sample gradients and serves as the yardstick.
+# The GRU classifier's gradients, on ``device``: ``loop`` runs the module once per sample,
+# ``hand-written`` is the recipe, ``vmap`` the module with a batched state (timed on the CPU
+# only, where it runs) and ``batched`` one ordinary gradient of the batch mean, which gives
+# no per-sample gradients: the ratio to it is their price. The loop pays each operation's
+# fixed cost once per sample, the others once per step: ratios hold for these sizes only.
 gru_dev = copy.deepcopy(models["GRU"]).to(device)
 weights = list(gru_dev.parameters())
 
 
-def per_sample_loop():
-    return [torch.autograd.grad(F.cross_entropy(gru_dev(s[None]), y[None]), weights)
-            for s, y in zip(seqs_dev, labels_dev)]  # fmt: skip
+def gru_loss(seqs, targets):
+    return F.cross_entropy(gru_dev(seqs), targets)
 
 
 methods = {
-    "loop": per_sample_loop,
-    "hand-written": lambda: by_hand_fns["GRU"](on_device["GRU"], seqs_dev, labels_dev),
-    "batched": lambda: torch.autograd.grad(
-        F.cross_entropy(gru_dev(seqs_dev), labels_dev), weights
-    ),
-}
+    "loop": lambda: [torch.autograd.grad(gru_loss(s[None], y[None]), weights)
+                     for s, y in zip(seqs_dev, labels_dev)],
+    "hand-written": lambda: per_sample(on_device["GRU"], seqs_dev, labels_dev),
+    "batched": lambda: torch.autograd.grad(gru_loss(seqs_dev, labels_dev), weights),
+}  # fmt: skip
 if device.type == "cpu":
     state0 = batched_zeros("GRU", f32)
     methods["vmap"] = lambda: gru_shortcut(params32["GRU"], sequences, labels, state0)
@@ -408,22 +434,16 @@ ax.set_title(f"nn.GRU, {device.type.upper()}: {headline}")
 plt.show()
 
 # %%
-# **Reading the numbers.** The loop pays the fixed price of every operation (Python, the
-# dispatcher, on a GPU a kernel launch) once per sample; the hand-written route and the
-# shortcut pay it once per time step for the whole batch. So the loop's cost grows with the
-# number of samples, theirs probably mostly with the number of steps: the printed ratios hold
-# for these sizes only. The batched gradient, which gives no per-sample gradients, is the
-# yardstick: the ratio to it is the price of having them.
-
-# %%
 # What to remember
 # ----------------
-# * ``vmap`` of ``nn.GRU`` or ``nn.LSTM`` stops because their operators take a ``Tensor[]``,
-#   which the per-sample fallback cannot slice; under ``grad``, because the CPU cells write
-#   per-sample gates in place into gates of the module's own, unbatched, initial state.
-# * The route that works on every device and dtype: the module's own parameters, by their
-#   own names, through a hand-written time loop of the documented equations (GRU ``r, z, n``;
-#   LSTM ``i, f, g, o``), checked first against the module's output.
-# * On the CPU a batched initial state is enough. A "performance drop" warning means that the
-#   fallback loops over the samples inside ``vmap``: correct, not fast.
+# * The route that works (checked here on the CPU, float32 and float64): the module's own
+#   parameters, by name, through a hand-written, out-of-place time loop of the documented
+#   equations, layer by layer and direction by direction, checked against the module first.
+#   Different lengths: pad, map the lengths, read each sample's output at its last step.
+# * ``vmap`` of ``nn.GRU`` or ``nn.LSTM`` stops at the fallback, which cannot slice their
+#   ``Tensor[]``. Under ``grad``, ``nn.GRU`` and float64 ``nn.LSTM`` stop because the CPU
+#   cells write per-sample gates in place into gates of the module's own unbatched initial
+#   state; float32 ``nn.LSTM`` on the CPU runs through oneDNN with a fallback warning.
+# * On the CPU a batched initial state is enough. A "performance drop" warning names an
+#   operator that the fallback calls sample by sample.
 # * Ensembles of LSTMs: map the hand-written layer over ``stack_module_state``'s parameters.
