@@ -276,7 +276,10 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
         ("jacrev: Expected all inputs to be real", {"plot_troubleshooting"}),
         ("would mutate a captured Tensor", {"plot_troubleshooting"}),
         ("don't yet support saved tensor hooks", {"plot_troubleshooting_arguments"}),
-        ("to return a scalar Tensor, got tensor with 1 dims", {"plot_troubleshooting_arguments"}),
+        (
+            "to return a scalar Tensor, got tensor with 1 dims",
+            {"plot_troubleshooting_arguments"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

@@ -299,9 +299,9 @@ print(f"one linearised product takes {linearized_ms / jvp_ms:.2f}x the time of o
 saving_ms = jvp_ms - linearized_ms
 break_even = (prepare_ms - linearized_ms) / saving_ms if saving_ms > 0 else None
 if break_even:
-    print(f"on this run's medians, linearize pays after about {break_even:.0f} products")
+    print(f"on this run, linearize pays after about {break_even:.0f} products")
 else:
-    print("on this run, a linearised product was no faster than jvp: linearize did not pay")
+    print("on this run, a linearised product was no faster than jvp: no pay-off")
 
 # %%
 # What the linearised function keeps, and what ``vmap(jvp)`` holds
