@@ -319,9 +319,7 @@ for name, fn in methods.items():
     fn()  # warm-up
     timer = benchmark.Timer("run()", globals={"run": fn}, num_threads=threads)
     measured = [timer.blocked_autorange(min_run_time=0.3)]
-    if (
-        len(measured[0].times) < 4
-    ):  # a slow call: more blocks (up to four), for a spread
+    if len(measured[0].times) < 4:  # a slow call: up to four more blocks, for a spread
         block = measured[0].median * measured[0].number_per_run
         measured.append(timer.blocked_autorange(min_run_time=4 * block))
     times[name] = benchmark.Measurement.merge(measured)[0]
