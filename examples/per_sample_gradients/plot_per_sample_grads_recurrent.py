@@ -2,9 +2,9 @@
 Per-sample gradients through GRU and LSTM layers
 ================================================
 
-Through :class:`~torch.nn.GRU`, ``vmap(grad(loss))`` stops with an error; through
-:class:`~torch.nn.LSTM`, by dtype and backend. First, a route that works, checked against a
-float64 loop: the module's own parameters through a hand-written time loop, also stacked,
+``vmap(grad(loss))`` through :class:`~torch.nn.GRU` stops with an error; through
+:class:`~torch.nn.LSTM` it stops or runs by dtype and backend. First, a route that works, checked
+against a float64 loop: the module's own parameters through a hand-written time loop, also stacked,
 bidirectional or over sequences of different lengths; then the errors, and their causes.
 """
 
@@ -172,7 +172,8 @@ padded = sequences * (torch.arange(seq_len) < lengths[:, None])[..., None]
 
 def loss_of_padded(params, seq, label, length):
     outputs = gru_steps({k[4:]: v for k, v in params.items() if k[:4] == "rnn."}, seq)
-    last = (outputs * (torch.arange(seq_len) == length - 1)[:, None]).sum(0)
+    steps = torch.arange(seq_len, device=seq.device)
+    last = (outputs * (steps == length - 1)[:, None]).sum(0)
     logits = F.linear(last, params["head.weight"], params["head.bias"])
     return F.cross_entropy(logits, label)
 
@@ -376,9 +377,9 @@ assert (errors < 5e-6).all(), errors
 # ----
 # The GRU classifier's gradients, on ``device``: ``loop`` runs the module once per sample,
 # ``hand-written`` is the recipe, ``vmap`` the module with a batched state (timed on the CPU
-# only, where it runs) and ``batched`` one ordinary gradient of the batch mean, which gives
+# only, where it was checked) and ``batched`` one ordinary gradient of the batch mean, which gives
 # no per-sample gradients: the ratio to it is their price. The loop pays each operation's
-# fixed cost once per sample, the others once per step: ratios hold for these sizes only.
+# fixed cost per step of each sample, the others per step: ratios hold for these sizes only.
 gru_dev = copy.deepcopy(models["GRU"]).to(device)
 weights = list(gru_dev.parameters())
 

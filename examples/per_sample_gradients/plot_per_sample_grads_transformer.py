@@ -78,6 +78,8 @@ def sequence_loss(params, inputs, targets, net=model, backend=SDPBackend.MATH):
 
 
 per_sequence_grads = vmap(grad(sequence_loss), in_dims=(None, 0, 0))
+# Hugging Face models: checkpointing fails (saved-tensor hooks, troubleshooting part 2), and
+# ``attn_implementation="eager"`` is reported needed under ``vmap`` (MadryLab/trak#78; not run).
 params = {key: tensor.detach() for key, tensor in model.named_parameters()}
 print(f"{sum(p.numel() for p in params.values()):,} parameters, {len(params)} tensors")
 
@@ -307,7 +309,6 @@ used = torch.zeros(len(seqs), VOCAB, dtype=torch.bool, device=device)
 for row, seq in enumerate(seqs):
     used[row, seq[:-1]] = True
 assert torch.equal(token_grads.ne(0).any(dim=-1), used), "a row is zero iff unused"
-assert not used[:, PAD].any(), "PAD is never an input"
 assert padded_grads["head.weight"].ne(0).any(dim=-1).all(), "every head row is non-zero"
 print(f"tokens.weight per-sample gradient {tuple(token_grads.shape)}: of its "
       f"{used.numel()} rows, {used.sum().item()} ({used.float().mean().item():.0%}) "
@@ -442,8 +443,7 @@ plt.show()
 # * ``vmap(grad(loss of one sequence))`` over :func:`~torch.func.functional_call`, the keyword
 #   inputs as ``kwargs``, the loss over real targets only: a padded sequence's gradient is its own.
 # * :class:`~torch.nn.TransformerEncoder` fails under ``vmap`` at its nested-tensor check
-#   (pytorch#149609): ``mask_check=False`` or the fast path off skips it. Dropout: ``randomness=``.
-# * Pin ``sdpa_kernel(SDPBackend.MATH)``: the fused CPU kernel falls back to a call per sequence;
-#   FlexAttention has no ``vmap`` rule (nor a CPU backward) in torch 2.13.
+#   (pytorch#149609): the fast path off skips it (here ``mask_check=False`` too). ``randomness=``.
+# * Pin ``SDPBackend.MATH`` (the fused CPU kernel runs once per sequence); FlexAttention: no vmap.
 # * Embeddings: a dense B × vocabulary × width gradient; tied, one name; ``sparse=True`` fails.
 # * Memory: B × P floats. ``chunk_size``, a subset of the parameters, or norms only.
