@@ -608,7 +608,7 @@ SECTIONS = {
     "start_here": "Start here",
     "per_sample_gradients": "Per-sample gradients and privacy",
     "jacobians_and_curvature": "Jacobians, Hessians and curvature",
-    "models_as_functions": "Models as functions: ensembles and the NTK",
+    "models_as_functions": "Models as functions: ensembles, meta-learning and the NTK",
     "science": "Derivatives for science: forces, Laplacians and PDEs",
     "guides": "Guides",
 }

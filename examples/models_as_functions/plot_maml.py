@@ -207,7 +207,7 @@ for _ in range(META_STEPS):
 test_tasks, (test_amp, test_phase) = sample_tasks(1000, queries=50)
 starts = {"MAML": params, "joint training": dict(baseline.named_parameters())}
 step_counts, test_losses = list(range(11)), {method: [] for method in starts}
-with torch.no_grad():
+with torch.no_grad():  # evaluation; torch.func.grad still runs inside
     for (method, start), steps in itertools.product(starts.items(), step_counts):
         per_task = vmap(partial(task_loss, steps=steps), in_dims=(None, 0, 0, 0, 0))
         test_losses[method].append(per_task(start, *test_tasks))
@@ -363,8 +363,8 @@ def vmap_meta_grad(first_order=False, tasks=timing_tasks, steps=TRAIN_STEPS):
 
 def timed(fn):
     fn()  # warm-up
-    threads = torch.get_num_threads()
-    clock = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
+    cores = torch.get_num_threads()
+    clock = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=cores)
     found = clock.blocked_autorange(min_run_time=0.4)
     while len(found.times) < 5:  # a busy machine fills fewer blocks
         found = benchmark.Measurement.merge([found, clock.timeit(1)])[0]
@@ -405,11 +405,11 @@ print(compare("vmap, second order", "vmap, first order"))
 # :class:`torch.profiler.profile`, which records every allocation with the running total.
 # First the tool on a known answer, a 1 MiB tensor:
 def peak_mib(fn):
-    if device.type == "cuda":
+    if torch.cuda.is_available():  # device is the GPU: its allocator counts the peak
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        live = torch.cuda.memory_allocated(device)
         fn()
-        return (torch.cuda.max_memory_allocated() - before) / 2**20
+        return (torch.cuda.max_memory_allocated(device) - live) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         fn()
     with tempfile.TemporaryDirectory() as scratch:
@@ -429,7 +429,7 @@ for steps, first_order in itertools.product((1, 4, 8), (False, True)):
     peaks[steps, first_order] = peak = peak_mib(call)
     order = "first" if first_order else "second"
     print(f"200 tasks, {steps} inner steps, {order} order: peak {peak:.2f} MiB")
-grows = {fo: peaks[8, fo] - peaks[1, fo] for fo in (False, True)}
+grows = {first: peaks[8, first] - peaks[1, first] for first in (False, True)}
 print(f"from 1 to 8 inner steps the peak grows by {grows[False]:.2f} MiB (second order), "
       f"{grows[True]:.2f} MiB (first order)")  # fmt: skip
 assert grows[False] > grows[True], grows
