@@ -5,8 +5,13 @@ turns off gradients or sets a seed would otherwise leak that into the next one. 
 ``torch.compile``: its caches are kept per code object, and every ``vmap``-wrapped function
 shares one, so a function compiled at two batch sizes by one example made the next example's
 compiled ``vmap`` start with a dynamic batch dimension, which a fresh process would not.
-The same holds for the C heap. Some examples ask glibc, with ``mallopt``, to keep freed memory
-and to serve large blocks from the heap, and those settings last for the rest of the process:
+So would CUDA's caching allocator, which keeps freed blocks: on an H200, a page's check that
+``torch.ones(2**20) + 1`` peaks at 8 MiB by ``torch.cuda.max_memory_allocated`` passed when it
+ran after a page that had stopped early, and failed after the same page ran to its end
+(probably because the allocator handed a whole cached block, larger than asked for, to a
+request). So the cache is emptied before each example. Something similar holds for the C heap.
+Some examples ask glibc, with ``mallopt``, to keep freed memory and to serve large blocks from
+the heap, and those settings last for the rest of the process:
 in the build, the Jacobians page (which set nothing then) ran its ``jacrev(jacfwd)`` Hessian
 with no page faults per call, while a fresh run of its download mapped each 64 MiB block afresh
 and took about 65,000 faults per call, and printed a time ratio to ``hessian`` several times
@@ -49,6 +54,8 @@ def reset_state(gallery_conf, fname):
     plt.close("all")
     matplotlib.rcdefaults()
     gc.collect()  # the last example's tensors, if a cycle still holds them
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the CUDA allocator's free blocks: see the module's docstring
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         _reset_glibc_malloc(ctypes.CDLL(None))
 

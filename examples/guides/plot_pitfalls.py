@@ -118,9 +118,10 @@ print("torch.where and torch.cond agree with a Python loop over samples")
 # under ``grad``, so does ``.detach().numpy()``, whatever the message suggests. Stay with torch,
 # or give NumPy its own rules: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
 expect_error(lambda: vmap(lambda x: x.tolist())(samples), RuntimeError, "storage")
-expect_error(lambda: grad(lambda x: x.numpy())(samples[0]), RuntimeError, "numpy()")
+on_cpu = samples[0].cpu()  # NumPy reads CPU memory: on a GPU, that error comes first
+expect_error(lambda: grad(lambda x: x.numpy())(on_cpu), RuntimeError, "numpy()")
 detached = lambda x: torch.as_tensor(x.detach().numpy()).sum() + x.sum()  # noqa: E731
-expect_error(lambda: grad(detached)(samples[0]), RuntimeError, "doesn't have storage")
+expect_error(lambda: grad(detached)(on_cpu), RuntimeError, "doesn't have storage")
 
 # %%
 # 3. A reduction over "the batch axis" reduces something else
@@ -428,7 +429,6 @@ for method, fn in [("loop", vmap(histc_per_sample)), ("vmap", vmap(histogram))]:
 ratio = hist_times["vmap"].median / hist_times["loop"].median
 words = "takes {:.2f}x the time of" if ratio >= 1 else "is {:.2f}x faster than"
 print("the batched histogram", words.format(max(ratio, 1 / ratio)), "the fallback loop")
-
 METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73"}
 fig, ax = plt.subplots(figsize=(6, 1.8), layout="constrained")
 medians = [m.median * 1e3 for m in hist_times.values()]

@@ -97,7 +97,8 @@ check_entries("vmap(jacrev), chunk_size=2", batch_jacobians, references)
 # How much memory, and how long?
 # ------------------------------
 # A call's peak memory is measured above what was live before it: on a GPU from the CUDA
-# allocator's counters; on a CPU from :class:`torch.profiler.profile`, which records every
+# allocator's count of bytes requested (before it rounds blocks up, as a CPU's allocator
+# does not); on a CPU from :class:`torch.profiler.profile`, which records every
 # allocation (scratch memory inside an operation included) with the total allocated after
 # it (counted from the recording's first allocation). The last total is what the call leaves
 # allocated, its result included. Times come from :class:`torch.utils.benchmark.Timer`: the
@@ -118,9 +119,10 @@ def memory_mib(fn):
     gc.collect()
     if device.type != "cpu":
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_stats(device)["requested_bytes.all.current"]
         kept = fn()  # noqa: F841 (what fn returns counts as left allocated)
-        peak, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        stats = torch.cuda.memory_stats(device)
+        peak, after = (stats[f"requested_bytes.all.{k}"] for k in ("peak", "current"))
         return (peak - before) / 2**20, (after - before) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         kept = fn()  # noqa: F841
@@ -335,9 +337,8 @@ def identify(tensor, known):  # the name of the tensor with the same entries, an
     return "other" if tensor.any() else "zeros"
 
 
-def allocated(tensors):  # bytes; the CUDA allocator rounds each block up to 512 bytes
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    return sum(n if device.type == "cpu" else -(-n // 512) * 512 for n in sizes)
+def allocated(tensors):  # bytes requested for the tensors, as memory_mib counts them
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 TEMPLATE = {"aten._new_zeros_with_same_feature_meta.default"}  # reads shape, dtype

@@ -166,8 +166,9 @@ print(f"worst relative error {max(weight_errors):.1e}")
 # members' slices apart. ``torch.nn.utils.clip_grad_norm_`` over the stacked tensors does not:
 # it computes one norm over all members together and scales every member by it. Per member,
 # take each member's norm over its own slices (all dimensions but the first) and scale its
-# slices. The reference clips each member's own gradients with ``clip_grad_norm_``; the limit is
-# the median of the members' own gradient norms, so that some members are clipped and some not.
+# slices. The reference gives each member's slices of the same gradients to ``clip_grad_norm_``,
+# one member at a time (the gradients themselves were checked above); the limit is the median
+# of the members' own gradient norms, so that some members are clipped and some not.
 stacked_grads = {name: p.grad for name, p in trained.items()}
 member_norms = torch.stack(
     [g.flatten(start_dim=1).norm(dim=1) for g in stacked_grads.values()]
@@ -185,10 +186,10 @@ for holder, g in zip(over_the_stack, stacked_grads.values()):
     holder.grad = g.clone()
 torch.nn.utils.clip_grad_norm_(over_the_stack, max_norm)
 clip_errors, stack_errors = [], []
-for index, member in enumerate(copies):
-    own = [torch.zeros_like(p, requires_grad=True) for p in member.parameters()]
-    for holder, p in zip(own, member.parameters()):
-        holder.grad = p.grad.clone()
+for index in range(len(copies)):
+    own = [torch.zeros_like(p[index], requires_grad=True) for p in trained.values()]
+    for holder, g in zip(own, stacked_grads.values()):
+        holder.grad = g[index].clone()
     torch.nn.utils.clip_grad_norm_(own, max_norm)
     for holder, name, held in zip(own, trained, over_the_stack):
         clip_errors.append(relative_error(clipped[name][index], holder.grad))
