@@ -342,14 +342,14 @@ def test_the_timings_page_opens_with_the_reports_bottom_line_and_links_them(site
     first_section = page.select("article section section")[0]
     assert first_section.find("h2").get_text().startswith("How far to trust a ratio")
     assert f"({within} of {total})" in " ".join(first_section.get_text().split())
-    gpu = (REPO / "docs" / "measured" / "gpu-h100-report.txt").read_text()
-    assert "NVIDIA H100" in gpu.splitlines()[0] and "torch 2.11.0" in gpu[:300]
+    gpu = (REPO / "docs" / "measured" / "gpu-report.txt").read_text()
+    assert "NVIDIA H200" in gpu.splitlines()[0] and "torch 2.11.0+cu130" in gpu[:300]
     ratio_rows = re.findall(r"^ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +\d+% .*$", gpu, re.M)
     steady = [row for row in ratio_rows if "<--" not in row]
     assert f"{len(steady)} of {len(ratio_rows)} ratios" in text
     links = {a["href"].rsplit("/", 1)[-1] for a in page.select("a.download")}
-    assert {"reproduce-report.txt", "gpu-h100-report.txt"} <= links
-    for name in links & {"reproduce-report.txt", "gpu-h100-report.txt"}:
+    assert {"reproduce-report.txt", "gpu-report.txt"} <= links
+    for name in links & {"reproduce-report.txt", "gpu-report.txt"}:
         assert list((site.html / "_downloads").rglob(name)), name
     assert "rule" not in text and "development machine" not in text
 
