@@ -425,7 +425,7 @@ for method, fn in [("loop", vmap(histc_per_sample)), ("vmap", vmap(histogram))]:
         m = hist_times[method] = timer.blocked_autorange(min_run_time=0.5)
     n = len(m.times)
     spread = f"IQR {m.iqr * 1e3:.2g} ms, {n} blocks" if n > 1 else "measured once"
-    print(f"histogram, {method}: {m.median * 1e3:.3g} ms ({spread}, {threads} threads)")
+    print(f"histogram, {method}: {m.median * 1e3:.3g} ms on {device.type} ({spread})")
 ratio = hist_times["vmap"].median / hist_times["loop"].median
 words = "takes {:.2f}x the time of" if ratio >= 1 else "is {:.2f}x faster than"
 print("the batched histogram", words.format(max(ratio, 1 / ratio)), "the fallback loop")
@@ -433,7 +433,7 @@ METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73"}
 fig, ax = plt.subplots(figsize=(6, 1.8), layout="constrained")
 medians = [m.median * 1e3 for m in hist_times.values()]
 ax.barh(["loop (histc)", "scatter_add"], medians, color=list(METHOD_COLORS.values()))
-ax.set(xlabel="median time (ms)", title=f"{len(counts)} histograms under vmap")
+ax.set(xlabel=f"median time on {device.type} (ms)", title=f"{len(counts)} histograms")
 plt.show()
 
 # %%

@@ -86,15 +86,16 @@ for name in ("weight", "bias"):
 # Cannot access data pointer of Tensor that doesn't have storage
 # --------------------------------------------------------------
 # A ``RuntimeError`` from NumPy (or a C++ extension) under ``vmap``: a sample there is a batched
-# wrapper without storage of its own for them to read (under ``grad``, NumPy fails otherwise,
-# as in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`). The fix: the torch operator
-# (:func:`torch.sinc` for ``np.sinc``), or a custom operator with a ``vmap`` rule
+# wrapper without storage for them to read (under ``grad``, NumPy fails otherwise, as in
+# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`; with a GPU tensor, NumPy's ``TypeError:
+# can't convert cuda:0 device type tensor`` comes first, hence ``grid.cpu()``). The fix: the
+# torch operator (:func:`torch.sinc` for ``np.sinc``), or a custom operator with a ``vmap`` rule
 # (:ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`). Reference: NumPy by row.
 grid = torch.linspace(-2, 2, 12, **F64).view(3, 4)
 with fails_with(RuntimeError, "Cannot access data pointer of Tensor that doesn't have"):
     vmap(lambda row: torch.as_tensor(np.sinc(row)))(grid.cpu())
 by_numpy = torch.as_tensor(np.stack([np.sinc(row) for row in grid.cpu().numpy()]))
-check("torch.sinc under vmap", vmap(torch.sinc)(grid), by_numpy, 1e-15)
+check("torch.sinc under vmap", vmap(torch.sinc)(grid), by_numpy, 1e-14)
 
 # %%
 # Error(s) in reparametrizing for Linear: Unexpected key(s)
@@ -121,7 +122,7 @@ new["weight"] = new.pop("weights")
 known = dict(layer.named_parameters()) | dict(layer.named_buffers())
 assert not new.keys() - known.keys(), new.keys() - known.keys()
 swapped = functional_call(layer, new, (x,), strict=True)
-check("strict=True, names fixed", swapped, new["weight"] @ x + new["bias"], 1e-15)
+check("strict=True, names fixed", swapped, new["weight"] @ x + new["bias"], 1e-14)
 
 # %%
 # Expected weight from each model to have the same .requires_grad
@@ -136,7 +137,7 @@ with fails_with(RuntimeError, "Expected weight from each model to have the same"
 ensemble[0].weight.requires_grad_(True)
 params, _ = stack_module_state(ensemble)
 outputs = vmap(functional_call, in_dims=(None, 0, None))(ensemble[0], params, (x,))
-check("frozen in every model", outputs, torch.stack([m(x) for m in ensemble]), 1e-15)
+check("frozen in every model", outputs, torch.stack([m(x) for m in ensemble]), 1e-14)
 
 # %%
 # Got argnum=0, but only 0 positional inputs
@@ -148,7 +149,7 @@ wavy = lambda w, x: (w * x).sin().sum()  # noqa: E731
 w = torch.randn(3, **F64)
 with fails_with(RuntimeError, "Got argnum=0, but only 0 positional inputs"):
     grad(wavy)(w=w, x=x)
-check("w by position", grad(wavy)(w, x=x), x * (w * x).cos(), 1e-15)
+check("w by position", grad(wavy)(w, x=x), x * (w * x).cos(), 1e-14)
 
 # %%
 # grad can be implicitly created only for real scalar outputs
@@ -183,10 +184,10 @@ with warnings.catch_warnings(action="ignore", category=UserWarning):  # from flo
         jacrev(lambda x: math.sqrt(x.square().sum()))(x)
 # Fixes: index or sum to a scalar (head(x)[0]); torch operators, not math; and for one gradient
 # per output, jacrev or vjp, as the message says. The references are closed forms.
-check("grad of head(x)[0]", grad(lambda x: head(x)[0])(x), head.weight[0], 1e-15)
-check("grad of torch's norm", grad(torch.linalg.vector_norm)(x), x / x.norm(), 1e-15)
+check("grad of head(x)[0]", grad(lambda x: head(x)[0])(x), head.weight[0], 1e-14)
+check("grad of torch's norm", grad(torch.linalg.vector_norm)(x), x / x.norm(), 1e-14)
 per_loss = jacrev(lambda x: (inputs @ x).square())(x)
-check("jacrev, one row per loss", per_loss, 2 * (inputs @ x)[:, None] * inputs, 1e-15)
+check("jacrev, one row per loss", per_loss, 2 * (inputs @ x)[:, None] * inputs, 1e-14)
 
 # %%
 # grad_and_value(f)(\*args): output of function f should be a tuple: (output, aux) ...
@@ -208,8 +209,8 @@ with fails_with(RuntimeError, "vjp(f, *primals): output of function f should be 
     jacrev(lambda w: (inputs @ w, w.sum(), w.norm()), has_aux=True)(x)
 slope, parts = grad(loss_and_parts, has_aux=True)(x)
 residual = inputs @ x - targets[:, 0]
-check("has_aux, the gradient", slope, 2 * inputs.T @ residual / 8 + 2 * x, 1e-15)
-check("has_aux, the aux value", parts["fit"], residual.square().mean(), 1e-15)
+check("has_aux, the gradient", slope, 2 * inputs.T @ residual / 8 + 2 * x, 1e-14)
+check("has_aux, the aux value", parts["fit"], residual.square().mean(), 1e-14)
 
 # %%
 # In order to use an autograd.Function with functorch transforms ... setup_context
@@ -242,7 +243,7 @@ with fails_with(NotImplementedError, "You must implement the jvp function"):
     jvp(Cube.apply, (grid,), (grid,))
 Cube.generate_vmap_rule = True
 cube_slopes = vmap(grad(lambda row: Cube.apply(row).sum()))(grid)
-check("Cube, generate_vmap_rule", cube_slopes, 3 * grid**2, 1e-15)  # d x³ / dx by hand
+check("Cube, generate_vmap_rule", cube_slopes, 3 * grid**2, 1e-14)  # d x³ / dx by hand
 # use_reentrant=False runs forward under vmap, but its recomputation in backward meets batched
 # tensors outside vmap. The fix: checkpoint outside, use_reentrant=False for autograd.grad (the
 # block runs twice). The reference: d/dW Σ tanh²(XW) = Xᵀ (2y (1 − y²)) for y = tanh(XW).
@@ -260,7 +261,7 @@ outside = checkpoint(by_rows, inputs, leaf, use_reentrant=False)
 assert len(calls) == 2, calls
 y = (inputs @ W).tanh()
 closed_form = inputs.T @ (2 * y * (1 - y**2))
-check("checkpoint(vmap(f)), autograd", by_autograd, closed_form, 1e-15)
+check("checkpoint(vmap(f)), autograd", by_autograd, closed_form, 1e-14)
 
 # %%
 # jvp(f, primals, tangents): Expected primals to be a tuple / primals and tangents to ...
@@ -279,7 +280,7 @@ with fails_with(RuntimeError, "Expected primals and tangents to have the same py
 with fails_with(RuntimeError, "Trying to set a forward gradient that has a different"):
     jvp(wave, (a, b), (da, db[:4]))
 _, directional = jvp(wave, (a, b), (da, db))
-check("jvp, tangents like primals", directional, da * b.sin() + a * b.cos() * db, 1e-15)
+check("jvp, tangents like primals", directional, da * b.sin() + a * b.cos() * db, 1e-14)
 
 # %%
 # Mismatch in shape: grad_output[0] has a shape of ...
@@ -296,12 +297,12 @@ with fails_with(RuntimeError, "Mismatch in shape: grad_output[0] has a shape of"
 u = torch.randn(2, **F64)
 (cotangent_in,) = pull_back(u)
 by_hand = (1 - a.tanh() ** 2) * (A.T @ u)
-check("vjp, cotangent like the output", cotangent_in, by_hand, 1e-15)
+check("vjp, cotangent like the output", cotangent_in, by_hand, 1e-14)
 _, pull_both = vjp(lambda v: (squash(v), v.square().sum()), a)
 with fails_with(RuntimeError, "Expected pytree structure of cotangents"):
     pull_both(u)
 (both_in,) = pull_both((u, torch.tensor(1.0, **F64)))
-check("vjp, one cotangent per output", both_in, by_hand + 2 * a, 1e-15)
+check("vjp, one cotangent per output", both_in, by_hand + 2 * a, 1e-14)
 
 # %%
 # only Tensors of floating point dtype can require gradients
@@ -317,7 +318,7 @@ with fails_with(RuntimeError, "only Tensors of floating point dtype can require"
     grad(lookup)(ids, table)
 counts = torch.bincount(ids, minlength=6).to(torch.float64)
 table_grad = grad(lookup, argnums=1)(ids, table)
-check("argnums=1, the table", table_grad, 2 * table * counts[:, None], 1e-15)
+check("argnums=1, the table", table_grad, 2 * table * counts[:, None], 1e-14)
 
 # %%
 # torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks
@@ -339,15 +340,15 @@ calls.clear()
 per_sample = [torch.autograd.grad(sample_loss(leaf, x), leaf)[0] for x in inputs]
 assert len(calls) == 2 * len(inputs), calls
 per_sample_by_hand = inputs[:, :, None] * (2 * y * (1 - y**2))[:, None, :]
-check("a loop over samples", torch.stack(per_sample), per_sample_by_hand, 1e-15)
+check("a loop over samples", torch.stack(per_sample), per_sample_by_hand, 1e-14)
 dW = torch.randn(3, 4, **F64)
 _, along = jvp(lambda W: checkpoint(block, inputs, W, use_reentrant=False), (W,), (dW,))
-check("checkpoint under jvp", along, (1 - y**2) * (inputs @ dW), 1e-15)
+check("checkpoint under jvp", along, (1 - y**2) * (inputs @ dW), 1e-14)
 calls.clear()
 with torch.autograd.graph.save_on_cpu():
     (offloaded,) = torch.autograd.grad(block(inputs, leaf).square().sum(), leaf)
 assert len(calls) == 1, calls
-check("save_on_cpu, autograd.grad", offloaded, closed_form, 1e-15)
+check("save_on_cpu, autograd.grad", offloaded, closed_form, 1e-14)
 
 # %%
 # vmap(f, ..., out_dims=...)(<inputs>): out_dims is not compatible / must only return Tensors
@@ -368,7 +369,7 @@ with fails_with(ValueError, "must only return Tensors, got type <class 'float'>"
     vmap(standardise)(grid)
 columns, eps = vmap(standardise, out_dims=(1, None))(grid)
 centred, spread = grid - grid.mean(1, keepdim=True), grid.std(1, keepdim=True) + eps
-check("out_dims=(1, None)", columns, (centred / spread).T, 1e-15)
+check("out_dims=(1, None)", columns, (centred / spread).T, 1e-14)
 
 # %%
 # vmap(f, in_dims=..., ...)(<inputs>): in_dims is not compatible / Got in_dim=...
@@ -390,7 +391,7 @@ with fails_with(ValueError, "Got in_dim=1 for some input, but that input is a"):
 with fails_with(ValueError, "We cannot vmap over non-Tensor arguments, please use"):
     vmap(affine, in_dims=(1, None, 0))(samples, weight, 0.5)
 mapped = vmap(affine, in_dims=(1, None, None))(samples, weight, shift)
-check("in_dims=(1, None, None)", mapped, (weight @ samples + shift[:, None]).T, 1e-15)
+check("in_dims=(1, None, None)", mapped, (weight @ samples + shift[:, None]).T, 1e-14)
 
 # %%
 # vmap: Expected all tensors to have the same size in the mapped dimension
@@ -402,7 +403,7 @@ rows = samples.T.contiguous()  # five samples, one per row
 with fails_with(ValueError, "Expected all tensors to have the same size in the mapped"):
     vmap(affine)(rows, weight, shift)
 mapped = vmap(affine, in_dims=(0, None, None))(rows, weight, shift)
-check("in_dims=(0, None, None)", mapped, rows @ weight.T + shift, 1e-15)
+check("in_dims=(0, None, None)", mapped, rows @ weight.T + shift, 1e-14)
 
 # %%
 # You are attempting to call Tensor.requires_grad_() ... inside of a function being transformed
@@ -415,7 +416,7 @@ layer_out = lambda x: weight @ x.tanh()  # noqa: E731
 with fails_with(RuntimeError, "You are attempting to call Tensor.requires_grad_()"):
     vmap(lambda x: torch.autograd.functional.jacobian(layer_out, x))(rows)
 jacobians = vmap(jacrev(layer_out))(rows)
-check("vmap(jacrev(f))", jacobians, weight * (1 - rows.tanh() ** 2)[:, None, :], 1e-15)
+check("vmap(jacrev(f))", jacobians, weight * (1 - rows.tanh() ** 2)[:, None, :], 1e-14)
 
 # %%
 # Every fix against its reference

@@ -354,13 +354,13 @@ torch.testing.assert_close(flat_grads, joined_with_cat())  # as with torch.cat
 # :ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads_memory.py`).
 def peak_bytes(fn):
     gc.collect()
-    if torch.cuda.is_available():  # the caching allocator keeps its own peak
+    if torch.cuda.is_available():  # the caching allocator's peak of requested bytes
         torch.cuda.current_stream().synchronize()
-        live = torch.cuda.memory_allocated()
+        live = torch.cuda.memory_stats()["requested_bytes.all.current"]
         torch.cuda.memory.reset_peak_memory_stats()
         result = fn()
         torch.cuda.current_stream().synchronize()
-        return torch.cuda.max_memory_allocated() - live, result
+        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - live, result
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorder:
         result = fn()
     with tempfile.TemporaryDirectory() as workdir:

@@ -401,15 +401,15 @@ print(compare("vmap, second order", "vmap, first order"))
 # step's graph for the outer backward; first order keeps little beyond the adapted weights. Like
 # the loop above, ``vmap`` keeps every task's graph until the backward; a loop calling
 # ``backward`` per slice of tasks keeps one slice's. The peak of one meta-gradient above what
-# was live before comes on a GPU from the CUDA allocator's counters, on a CPU from
+# was live before comes on a GPU from the CUDA allocator's requested bytes, on a CPU from
 # :class:`torch.profiler.profile`, which records every allocation with the running total.
 # First the tool on a known answer, a 1 MiB tensor:
 def peak_mib(fn):
-    if torch.cuda.is_available():  # device is the GPU: its allocator counts the peak
+    if torch.cuda.is_available():  # the GPU's allocator: its peak of requested bytes
         torch.cuda.reset_peak_memory_stats()
-        live = torch.cuda.memory_allocated(device)
+        live = torch.cuda.memory_stats()["requested_bytes.all.current"]
         fn()
-        return (torch.cuda.max_memory_allocated(device) - live) / 2**20
+        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - live) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         fn()
     with tempfile.TemporaryDirectory() as scratch:

@@ -91,14 +91,14 @@ def worst_member_error(outputs, references):
 # --------------------------------------------
 # The minibatch is shared, so it is not mapped: ``in_dims=(0, 0, None)``. Each slice of the
 # result must equal that member run alone. The stacked call uses a batched matrix product where
-# the member uses its own, so the bound allows float32 rounding (1e-6, about 8 times float32's
+# the member uses its own, so the bound allows float32 rounding (3e-6, about 25 times float32's
 # machine epsilon); the printed error can also come out exactly zero.
 same_batch = torch.randn(batch_size, 64, device=device)
 shared = vmap(run_member, in_dims=(0, 0, None))
 same_out = shared(stacked_params, stacked_buffers, same_batch)
 error = worst_member_error(same_out, [member(same_batch) for member in members])
 print(f"same minibatch {tuple(same_out.shape)}: worst member's error {error:.1e}")
-assert error < 1e-6, f"same minibatch: worst member error {error:.1e}"
+assert error < 3e-6, f"same minibatch: worst member error {error:.1e}"
 
 # %%
 # Case 2: each member sees its own minibatch
@@ -110,7 +110,7 @@ separate = vmap(run_member, in_dims=(0, 0, 0))
 own_out = separate(stacked_params, stacked_buffers, own_batches)
 error = worst_member_error(own_out, [m(x) for m, x in zip(members, own_batches)])
 print(f"own minibatches {tuple(own_out.shape)}: worst member's error {error:.1e}")
-assert error < 1e-6, f"own minibatches: worst member error {error:.1e}"
+assert error < 3e-6, f"own minibatches: worst member error {error:.1e}"
 
 # %%
 # Training the stacked ensemble
@@ -142,17 +142,18 @@ for _ in range(3):
         for name, p in member.named_parameters():  # Adam reads .grad, never changes it
             grad_errors.append(relative_error(trained[name].grad[index], p.grad))
 print(f"gradients of each member and parameter: worst error {max(grad_errors):.1e}")
-assert max(grad_errors) < 1e-5, f"gradients: worst error {max(grad_errors):.1e}"
+assert max(grad_errors) < 3e-5, f"gradients: worst error {max(grad_errors):.1e}"
 
 # %%
 # After three steps, each member's slice of the stacked weights must sit where that member's own
 # Adam put it, parameter by parameter. The weights moved, so the check is not comparing the
-# starting point with itself.
+# starting point with itself. Adam divides each entry by its own running size, so rounding
+# differences between the two gradients pass into the weights almost whole: the bound is 3e-5.
 weight_errors = []
 for index, member in enumerate(copies):
     for name, p in member.named_parameters():
         error = relative_error(trained[name][index], p)
-        assert error < 3e-6, f"member {index} {name}: relative error {error:.1e}"
+        assert error < 3e-5, f"member {index} {name}: relative error {error:.1e}"
         moved = ((p - stacked_params[name][index]).norm() / p.norm()).item()
         assert moved > 1e-3, f"member {index} {name} did not move"
         weight_errors.append(error)
@@ -260,6 +261,7 @@ assert max(stat_errors) < 1e-6, f"running statistics: error {max(stat_errors):.1
 # five, and reports the median and the interquartile range (IQR) over them.
 member_counts = [1, 2, 4, 8, 16, 32]
 speedups = {"same minibatch": [], "own minibatches": []}
+apart = {case: [] for case in speedups}  # vmap faster, the quartiles apart
 times_ms = {"loop": [], "vmap": []}  # same minibatch, for the second panel
 
 
@@ -273,7 +275,13 @@ def median_and_iqr_ms(fn):
         measurement = benchmark.Measurement.merge([measurement, more])[0]
     iqr_ms = measurement.iqr * 1e3  # two significant digits for a small spread
     iqr_text = f"{iqr_ms:.2f}" if iqr_ms >= 0.1 else f"{iqr_ms:.2g}"
-    return measurement.median * 1e3, iqr_text, len(measurement.times)
+    quartiles = torch.tensor(measurement.times).quantile(torch.tensor([0.25, 0.75]))
+    return (
+        measurement.median * 1e3,
+        iqr_text,
+        len(measurement.times),
+        quartiles.tolist(),
+    )
 
 
 with torch.set_grad_enabled(False):
@@ -287,13 +295,18 @@ with torch.set_grad_enabled(False):
             "loop, own": lambda g=group, d=batches: [m(x) for m, x in zip(g, d)],
             "vmap, own": lambda p=params, b=buffers, d=batches: separate(p, b, d),
         }
-        ms = {}
+        ms, quartiles = {}, {}
         for name, fn in calls.items():
-            ms[name], iqr, blocks = median_and_iqr_ms(fn)
+            ms[name], iqr, blocks, quartiles[name] = median_and_iqr_ms(fn)
             print(f"N={count:2d} {name:10s} {ms[name]:7.3f} ms "
                   f"(IQR {iqr} ms, {blocks} blocks)")  # fmt: skip
         speedups["same minibatch"].append(ms["loop, same"] / ms["vmap, same"])
         speedups["own minibatches"].append(ms["loop, own"] / ms["vmap, own"])
+        for case, key in [("same minibatch", "same"), ("own minibatches", "own")]:
+            # vmap's slowest quarter of blocks faster than the loop's fastest quarter
+            apart[case].append(
+                quartiles[f"vmap, {key}"][1] < quartiles[f"loop, {key}"][0]
+            )
         times_ms["loop"].append(ms["loop, same"])
         times_ms["vmap"].append(ms["vmap, same"])
 print("the loop's time divided by vmap's (above 1: vmap was faster):")
@@ -302,12 +315,12 @@ for case, values in speedups.items():
         f"  {case:16s}"
         + "".join(f"  N={n}: {s:.3g}x" for n, s in zip(member_counts, values))
     )
-    # the smallest N from which vmap was faster at every larger N, on this run
-    ahead = [n for i, n in enumerate(member_counts) if min(values[i:]) > 1]
+    # the smallest N from which vmap was clearly faster at every larger N, on this run
+    ahead = [n for i, n in enumerate(member_counts) if all(apart[case][i:])]
     print(
-        f"    on this run vmap was faster from N={ahead[0]} up"
+        f"    on this run vmap was faster, the quartiles apart, from N={ahead[0]} up"
         if ahead
-        else f"    on this run the loop was as fast or faster at N={member_counts[-1]}"
+        else f"    on this run vmap was not clearly faster at N={member_counts[-1]}"
     )
 
 

@@ -273,14 +273,14 @@ else:
 # %%
 # How much memory?
 # ----------------
-# On the CPU, torch's profiler records every allocation through PyTorch's allocator during
-# one call of each method; the largest running total of bytes allocated since the call began
-# is its peak (on a GPU, the allocator's peak statistics). The materialised way must hold the
-# B·P per-sample gradient floats, so its peak must be at least their bytes, counted; the
-# ghost methods never form them: theirs must stay within twice an ordinary step's, far below
-# even one layer's per-sample gradients. Ghost clipping runs two passes; its
-# first, ``ghost_norms`` keeping the graph, is also measured alone, to see which pass sets the
-# peak (the second forms the parameter gradients, as an ordinary step does).
+# On the CPU, torch's profiler records every allocation through PyTorch's allocator during one
+# call of each method; the largest running total of bytes allocated since the call began is its
+# peak (on a GPU, the allocator's peak of requested bytes). The materialised way must hold the B·P
+# per-sample gradient floats, so its peak must be at least their bytes, counted; the ghost methods
+# never form them: theirs must stay within twice an ordinary step's, far below even one layer's
+# per-sample gradients. Ghost clipping runs two passes; its first, ``ghost_norms`` keeping the
+# graph, is also measured alone, to see which pass sets the peak (the second forms the parameter
+# gradients, as an ordinary step does).
 import gc
 import json
 import tempfile
@@ -294,10 +294,10 @@ def peak_bytes(fn):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
+        start = torch.cuda.memory_stats()["requested_bytes.all.current"]
         fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
+        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     with tempfile.TemporaryDirectory() as folder:

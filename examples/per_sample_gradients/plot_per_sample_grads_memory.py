@@ -103,25 +103,26 @@ assert 0.1 < norm_error(looped) / norm_error(norms) < 10
 # %%
 # The recipe: measure one call's peak memory
 # ------------------------------------------
-# On a GPU, PyTorch's caching allocator records its own peak: reset it, call, and subtract
-# what was allocated before. On a CPU, torch's profiler with ``profile_memory=True`` logs every
-# allocation and free made through PyTorch's allocator, scratch tensors inside an operation
-# included; memory that a library allocates by itself, outside that allocator, is not. Each
-# ``[memory]`` event of its trace carries ``Total Allocated``, a running count of live bytes,
-# and ``Bytes``, that event's allocation (or, negative, its free). The count is kept across
-# profiles, and a tensor allocated under one profile and freed after it stays in it; so the
-# peak is taken above the count just before the call's first allocation.
+# On a GPU, PyTorch's caching allocator records its own peak of the bytes requested from it
+# (``requested_bytes``; ``max_memory_allocated`` counts whole cached blocks, so it depends on what
+# ran before): reset it, call, and subtract what was requested before. On a CPU, torch's profiler
+# with ``profile_memory=True`` logs every allocation and free made through PyTorch's allocator,
+# scratch tensors inside an operation included; memory that a library allocates by itself, outside
+# that allocator, is not. Each ``[memory]`` event of its trace carries ``Total Allocated``, a
+# running count of live bytes, and ``Bytes``, that event's allocation (or, negative, its free). The
+# count is kept across profiles, and a tensor allocated under one profile and freed after it stays
+# in it; so the peak is taken above the count just before the call's first allocation.
 
 
 def peak_mib(fn, *args):
     gc.collect()  # garbage from earlier cells, freed during the call, would hide its peak
     if device.type != "cpu":
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_stats()["requested_bytes.all.current"]
         torch.cuda.reset_peak_memory_stats(device)
         fn(*args)
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - before) / 2**20
+        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - before) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as memory_prof:
         fn(*args)
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -306,7 +307,7 @@ assert clone_holds < 1e-5, "the clone did not keep the first result"
 # out of 16 or 24 GiB, rounded to hundreds. Read these as upper estimates: the extrapolation
 # leaves out the process's own memory (libraries, weights, data); on a GPU the CUDA context
 # is measured and subtracted, but the caching allocator rounds blocks up and keeps freed ones,
-# so it can reserve more than the allocated peak measured here.
+# so it can reserve more than the requested peak measured here.
 memory_batches = [64, 256]
 peaks = {}
 for size in memory_batches:
@@ -438,8 +439,8 @@ plt.show()
 # What to remember
 # ----------------
 # - Measure one call's peak with the profiler's ``[memory]`` events on a CPU, or the CUDA
-#   allocator's peak on a GPU; both count what goes through PyTorch's allocator, scratch
-#   tensors inside operations included.
+#   allocator's peak of requested bytes on a GPU; both count what goes through PyTorch's
+#   allocator, scratch tensors inside operations included.
 # - ``chunk_size`` bounds what a transform holds per chunk: it shrank the peak for per-sample
 #   norms and raised it for per-sample gradients (chunks and joined result live together).
 # - Buffers a method keeps are returned as its result: the next call overwrites them, so
