@@ -191,8 +191,9 @@ print(f"one entry 1% off fails the check (relative norm error {norm_error:.1e})"
 # proportion to the outputs and ``jacfwd`` to the inputs, and a tall Jacobian should favour
 # ``jacfwd``. We count the matrix-product FLOPs with ``torch.utils.flop_counter.FlopCounterMode``
 # in that unit, on Jacobians that keep ``32 · 1024`` entries while their shape runs from wide
-# (1024 inputs, 32 outputs) to tall (32 inputs, 1024 outputs). On a GPU, both sides of every
-# shape are scaled up, so that arithmetic rather than launch overhead can matter.
+# (1024 inputs, 32 outputs) to tall (32 inputs, 1024 outputs). On a GPU both sides are scaled
+# up by 4, yet at these sizes a GPU's times can stay flat, set by a fixed cost per operation
+# (probably launching it) rather than by the products; the lines after the sweep say which.
 scale = 1 if device.type == "cpu" else 4
 tall_inputs, tall_outputs = 32 * scale, 1024 * scale
 engines = {"jacrev": jacrev, "jacfwd": jacfwd}
@@ -240,10 +241,10 @@ for args, rev, fwd in zip(sweep, *counted.values()):
 # %%
 # How fast is it?
 # ---------------
-# Some Hessians below allocate blocks of 64 MiB per call. By default, glibc's ``malloc`` may
-# map such blocks afresh on every call, and the kernel then faults their pages in each time;
-# whether it does depends on what the process did before. So we ask glibc to keep freed memory
-# for reuse: a fresh run of this page and a long site build then time the same thing.
+# Some Hessians below allocate blocks of 64 MiB per call. On a CPU, glibc's ``malloc`` may by
+# default map such blocks afresh on every call, and the kernel then faults their pages in each
+# time; whether it does depends on what the process did before. So we ask glibc to keep freed
+# memory for reuse: a fresh run of this page and a long site build then time the same thing.
 # (:doc:`/reading-timings` explains more.) Times are medians of
 # :class:`torch.utils.benchmark.Timer` blocks, with their interquartile range (IQR) and count.
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
@@ -266,8 +267,8 @@ def spread(iqr, blocks):
 
 
 # %%
-# Tall, wide, and where they cross
-# --------------------------------
+# Tall, wide, and whether they cross
+# ----------------------------------
 # For each of the sweep's shapes, from wide to tall, both engines are checked against the
 # formula and timed, and the ratio of their times set beside the ratio of their counted FLOPs.
 timed = {name: [] for name in engines}
@@ -286,9 +287,10 @@ for args, rev, fwd in zip(sweep, *counted.values()):
 # Counted in FLOPs, the engines tie at a square Jacobian. For the time, we fit a straight line
 # to ``log(time(jacfwd) / time(jacrev))`` against ``log(outputs / inputs)`` over the whole
 # sweep, rather than look for a sign change between two neighbours, which noise could place
-# anywhere, and take the shape where the line crosses 1. A slope near −1 means the time follows
-# the FLOPs; a shallower one means that a cost which does not grow with the products weighs in
-# (this page does not measure which).
+# anywhere, and take the shape where the line crosses 1, if it does inside the sweep. A slope
+# near −1 means the time follows the FLOPs; a shallower one, that a cost which does not grow
+# with the products weighs in (this page does not measure which); near 0, the engines' times
+# keep one ratio whatever the shape, and need not cross at all.
 log_aspect = torch.tensor(aspect_ratios, dtype=torch.float64).log()
 log_time_ratio = torch.tensor(
     [fwd[0] / rev[0] for fwd, rev in zip(timed["jacfwd"], timed["jacrev"])],
@@ -297,17 +299,16 @@ log_time_ratio = torch.tensor(
 design = torch.stack([log_aspect, torch.ones_like(log_aspect)], dim=1)
 solution = torch.linalg.lstsq(design, log_time_ratio[:, None]).solution
 fit_slope, fit_intercept = solution[:, 0]
-print(
-    f"slope of log(time ratio) against log(aspect ratio): {fit_slope:.2f} (FLOPs: -1)"
-)
+print(f"slope of log(time ratio) against log(shape): {fit_slope:.2f} (FLOPs: -1)")
 crossover = torch.exp(-fit_intercept / fit_slope).item() if fit_slope < 0 else None
 if crossover is None or not min(aspect_ratios) <= crossover <= max(aspect_ratios):
     crossover = None
     print("the fitted line does not cross 1 inside the sweep")
 else:
-    print(
-        f"jacfwd and jacrev take the same time at about {crossover:.2g} outputs per input"
-    )
+    print(f"the engines take the same time at about {crossover:.2g} outputs per input")
+for name, counts in counted.items():  # from the widest shape to the tallest
+    growth = counts[-1] / counts[0], timed[name][-1][0] / timed[name][0][0]
+    print(f"{name}, wide to tall: products x{growth[0]:.3g}, time x{growth[1]:.3g}")
 
 # %%
 # On the left, the counted products; on the right, the measured times with their IQR, whose
@@ -362,9 +363,8 @@ class ElementsWritten(TorchDispatchMode):
         return out
 
 
-def storages(
-    *trees,
-):  # (storage address, elements) of each tensor; 0: a zero tensor's none
+def storages(*trees):
+    """(storage address, elements) of each tensor; address 0 for a zero tensor."""
     return [(0 if t._is_zerotensor() else t.untyped_storage().data_ptr(), t.numel())
             for t in tree_leaves(trees) if isinstance(t, torch.Tensor)]  # fmt: skip
 
@@ -379,16 +379,18 @@ known = torch.randn(4, 5, device=device), torch.randn(5, 6, device=device)
 flat = lambda: torch.tanh(known[0] @ known[1]).T.flatten().reshape(6, 4)  # noqa: E731
 assert elements_written(flat) == 24 + 24 + 24  # mm, tanh, flatten's copy; views count 0
 
-hessian_flops, hessian_written, hessian_times = {}, {}, {}
+hessian_flops, hessian_written, hessian_times, paces = {}, {}, {}, {}
 for order, fn in hessian_orders.items():
     call = partial(fn, hess_weight, hess_bias, hess_x)
     hessian_flops[order] = matmul_flops(call)
     hessian_written[order] = elements_written(call)
     hessian_times[order] = median_and_iqr_ms(call, min_run_time=0.5)
 for order, (ms, iqr, blocks) in hessian_times.items():
+    r = ms / hessian_times["hessian"][0]  # the time ratio, worded by its size
+    paces[order] = f"{1 / r:.2f}x faster" if r < 1 else f"{r:.2f}x the time"
     print(
         f"{order:>14}: {ms:8.2f} ms ({spread(iqr, blocks)}); against hessian: "
-        f"time {ms / hessian_times['hessian'][0]:.2f}x, "
+        f"{paces[order]}, "
         f"FLOPs {hessian_flops[order] / hessian_flops['hessian']:.2f}x, "
         f"elements written {hessian_written[order] / hessian_written['hessian']:.2f}x"
     )
@@ -420,14 +422,12 @@ for what, counts in [("FLOPs", hessian_flops), ("elements written", hessian_writ
 fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
 time_ratios = [ms / hessian_times["hessian"][0] for ms, _, _ in hessian_times.values()]
 # jacfwd(jacfwd) and jacrev(jacrev) take the colour of their single engine.
-order_colors = [
-    METHOD_COLORS[c] for c in ("hessian", "jacfwd", "jacrev", "jacrev(jacfwd)")
-]
-bars = ax.barh(list(hessian_times), time_ratios, color=order_colors)
+colors = [METHOD_COLORS[c] for c in ("hessian", "jacfwd", "jacrev", "jacrev(jacfwd)")]
+bars = ax.barh(list(hessian_times), time_ratios, color=colors)
 ax.bar_label(bars, padding=4, labels=[
-    f"{t:.2f}x time, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs, "
+    f"{paces[o]}, {hessian_flops[o] / hessian_flops['hessian']:.2f}x FLOPs, "
     f"{hessian_written[o] / hessian_written['hessian']:.2f}x written"
-    for o, t in zip(hessian_times, time_ratios)])  # fmt: skip
+    for o in hessian_times])  # fmt: skip
 ax.set_xscale("log")
 ax.set_xlim(min(time_ratios) / 2, max(time_ratios) * 300)
 ax.invert_yaxis()
@@ -442,8 +442,8 @@ plt.show()
 #   check it entry by entry (``torch.testing.assert_close``) against a float64 reference.
 # * ``jacrev`` runs one vjp per output (row), ``jacfwd`` one jvp per input (column), batched by
 #   ``vmap``: the counted FLOPs grow in step with outputs and inputs.
-# * Counted in FLOPs, tall Jacobians favour ``jacfwd`` and wide ones ``jacrev``; the time sets
-#   the crossover, so time both engines on your own shapes, as the sweep does.
+# * In FLOPs, tall Jacobians favour ``jacfwd``, wide ones ``jacrev``; the times may cross
+#   elsewhere, or nowhere when a fixed cost per operation sets them: time your own shapes.
 # * ``hessian`` is ``jacfwd(jacrev(f))``. All four orders agree entry by entry, but choosing
 #   each engine by its own shape does not pick the cheapest composition (here ``jacfwd(jacfwd)``
 #   counts fewer FLOPs), and FLOPs need not rank them as the time does: count and time the

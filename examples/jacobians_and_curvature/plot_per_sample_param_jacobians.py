@@ -7,8 +7,8 @@ with respect to every parameter is a (B, Y, P) tensor: one Y × P Jacobian per s
 building block of the empirical neural tangent kernel, of Gauss-Newton curvature and of
 Fisher-information estimates. This page computes it with ``vmap(jacrev(...))`` over
 ``functional_call``, checks it parameter by parameter against a float64 loop, builds the NTK
-from it, and then measures why ``jacfwd`` is the wrong tool here and how ``chunk_size`` bounds
-its memory.
+from it, and then counts the extra work ``jacfwd`` does here, measures its memory, and shows
+how ``chunk_size`` bounds it.
 """
 
 # %%
@@ -97,9 +97,7 @@ def check_each_parameter(result, reference, what):
     for name, ref in reference.items():
         assert result[name].shape == ref.shape, (what, name)
         errors[name] = ((result[name].double() - ref).norm() / ref.norm()).item()
-        assert errors[name] < 1e-5, (
-            f"{what}: {name} has relative error {errors[name]:.1e}"
-        )
+        assert errors[name] < 1e-5, f"{what}: {name}: error {errors[name]:.1e}"
     worst = max(errors, key=errors.get)
     print(f"{what}: worst parameter {worst}, relative error {errors[worst]:.1e}")
 
@@ -112,8 +110,8 @@ check_each_parameter(jacobians, reference, "vmap(jacrev)")
 # --------------------------------------------------
 # :func:`~torch.func.jacfwd` builds the same Jacobian column by column: one Jacobian-vector
 # product per **parameter**, P of them, each pushing one basis vector of parameter space
-# through the network. Same answer, very different cost, as the second half of this page
-# measures.
+# through the network. Same answer, far more arithmetic, as the second half of this page
+# counts.
 forward_jacobians = vmap(jacfwd(sample_output), in_dims=(None, 0))
 check_each_parameter(forward_jacobians(params, inputs), reference, "vmap(jacfwd)")
 
@@ -130,21 +128,19 @@ ntk_errors = []
 for a in range(len(inputs)):
     for b in range(len(inputs)):
         block64 = flat_reference[a] @ flat_reference[b].T
-        ntk_errors.append(
-            ((ntk[a, b].double() - block64).norm() / block64.norm()).item()
-        )
-        assert ntk_errors[-1] < 1e-5, (
-            f"NTK block ({a}, {b}): error {ntk_errors[-1]:.1e}"
-        )
+        error = ((ntk[a, b].double() - block64).norm() / block64.norm()).item()
+        ntk_errors.append(error)
+        assert error < 1e-5, f"NTK block ({a}, {b}): error {error:.1e}"
 print(f"NTK {tuple(ntk.shape)}: every block matches the float64 loop's J(x_a) J(x_b)ᵀ")
 print(f"largest relative error of a block: {max(ntk_errors):.1e}")
 
 # %%
 # How fast is it?
 # ---------------
-# Forward mode allocates hundreds of MB per call, so before timing we ask glibc to keep freed
-# memory for reuse; :doc:`/reading-timings` explains the allocator's share of the spread it
-# removes (a busy machine's share remains).
+# Forward mode allocates hundreds of MiB per call. On a CPU they come from glibc's ``malloc``,
+# so before timing we ask glibc to keep freed memory for reuse; :doc:`/reading-timings`
+# explains the allocator's share of the spread it removes (a busy machine's share remains). On
+# a GPU, PyTorch's caching allocator keeps freed blocks for reuse.
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     libc.mallopt(-4, 0)  # M_MMAP_MAX: serve large blocks from the heap
@@ -247,13 +243,14 @@ ax.legend()
 plt.show()
 
 # %%
-# Why forward mode is slow here: count the arithmetic
-# ---------------------------------------------------
+# Forward mode does more work: count the arithmetic
+# -------------------------------------------------
 # Reverse mode runs Y backward passes per sample, forward mode P Jacobian-vector products, each
 # about the cost of one forward pass, so the ratio of their counted FLOPs should be near P / Y.
 # The time ratio is printed beside it, with the rate each call reaches (FLOPs over its median
-# time): where the two ratios differ, arithmetic is not all that sets the time. For ``jacfwd``
-# the memory section below measures one large cost: a copy of hundreds of MB per call.
+# time): where the two ratios differ, arithmetic is not all that sets the time. On a GPU at
+# this size both calls can take about the same time; the cost then shows as memory, which the
+# next section measures, with one large item: a copy of hundreds of MiB per call.
 flops = {
     "jacrev": count_flops(param_jacobians, params, inputs),
     "jacfwd": count_flops(forward_jacobians, params, inputs),
@@ -265,7 +262,8 @@ for name in flops:
     print(f"B=2: {name} {flops[name]:,} FLOPs, {rate:.3g} GFLOP/s at its median time")
 print(
     f"jacfwd / jacrev: {flop_ratio:.0f} times the FLOPs (P / Y = "
-    f"{num_params / num_outputs:.0f}), {time_ratio:.1f} times the time: the time ratio is "
+    f"{num_params / num_outputs:.0f}); jacfwd "
+    f"{versus(b2_times['jacfwd'], b2_times['jacrev'], 'jacrev')}: the time ratio is "
     f"{'smaller' if time_ratio < flop_ratio else 'larger'}"
 )
 assert 0.8 < flop_ratio / (num_params / num_outputs) < 1.1
@@ -274,9 +272,10 @@ assert 0.8 < flop_ratio / (num_params / num_outputs) < 1.1
 # What forward mode costs in memory
 # ---------------------------------
 # ``jacfwd`` pushes the P × P identity through the network: every parameter's basis vectors,
-# ``4·P²`` bytes in float32. We run each call under :mod:`torch.profiler`, which records every
-# allocation: the peak of live memory above the start of the call, and how many bytes each
-# operator allocated, per input shape. We measure ``vmap(jacfwd)`` for B = 1, 2 and 3 samples,
+# ``4·P²`` bytes in float32. The peak of live memory above the start of each call comes, on a
+# CPU, from :mod:`torch.profiler`, which records every allocation, and on a GPU from the
+# caching allocator's statistics of requested bytes; on both, the profiler gives how many bytes
+# each operator allocated, per input shape. We measure ``vmap(jacfwd)`` for B = 1, 2 and 3,
 # a Python loop of ``jacfwd`` over 3 samples, and ``vmap(..., chunk_size=1)`` on the same 3.
 MiB = 2**20
 basis_mib = 4 * num_params**2 / MiB
@@ -286,13 +285,13 @@ weight_block_mib = 4 * num_params * params["0.weight"].numel() / MiB
 def peak_mib(fn, *args):
     """Peak of live memory during fn(*args), above where it started."""
     gc.collect()
-    if device.type == "cuda":  # the caching allocator keeps its own peak
+    if device.type == "cuda":  # the caching allocator's peak of requested bytes
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_stats()["requested_bytes.all.current"]
         fn(*args)
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - before) / MiB
+        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - before) / MiB
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args)
     with tempfile.TemporaryDirectory() as folder:
@@ -309,7 +308,7 @@ def peak_mib(fn, *args):
 
 
 def largest_copy(fn, *args):
-    """(MiB, input shape, share of the CPU time) of the largest ``aten::clone`` in fn(*args)."""
+    """(MiB, input shape, share of the time on a CPU) of the largest ``aten::clone``."""
     gpu = [ProfilerActivity.CUDA] if device.type == "cuda" else []
     activities = [ProfilerActivity.CPU, *gpu]
     with profile(
@@ -343,10 +342,11 @@ print(
     f"chunk_size=1,   B=3: peak {chunked_peak:6,.0f} MiB ({chunked_peak / basis_mib:.2f}x)"
 )
 for b, (copied, shape, share) in copies.items():
+    cpu_time = f"; {share:.0%} of the call's CPU time (one profiled call)"
     print(
         f"vmap(jacfwd), B={b}: largest copy {copied:,.0f} MiB, of shape {shape}, "
-        f"{copied / weight_block_mib:.2f}x the first weight's block; "
-        f"{share:.0%} of the call's CPU time (one profiled call)"
+        f"{copied / weight_block_mib:.2f}x the first weight's block"
+        + (cpu_time if device.type == "cpu" else "")
     )
 
 # %%
@@ -355,8 +355,9 @@ for b, (copied, shape, share) in copies.items():
 # (one sample makes none: its peak is one basis): the largest copy has the shape
 # (B, P, 784, 10). The linear layer's Jacobian-vector product multiplies the sample (batched
 # over samples) by the weight's tangents (batched over the P basis vectors), and ``matmul``
-# expands the tangents over the samples to make one batched product. The copy takes time as
-# well as memory: its share of one profiled call's CPU time is printed beside it.
+# expands the tangents over the samples to make one batched product. On a CPU the copy takes
+# time as well as memory: its share of one profiled call's CPU time is printed beside it (on a
+# GPU the profiler's CPU time is the host's, which launches the copy, so none is printed).
 # With ``chunk_size=1``, ``vmap`` runs one sample at a time and its memory is the loop's. The
 # chunked result is checked against the float64 loop too.
 for b, (copied, _, _) in copies.items():
@@ -417,10 +418,12 @@ per_sample_bytes = {
     "ResNet-18 (Y=1000, P=11.7M)": 4 * 1000 * 11_689_512,
     "ResNet-50 (Y=1000, P=25.6M)": 4 * 1000 * 25_557_032,
 }
-print(f"this {device.type} has {device_bytes / 2**30:.0f} GiB")
+holder = "this GPU" if device.type == "cuda" else "this machine"
+print(f"{holder} has {device_bytes / 2**30:.0f} GiB")
 for name, size in per_sample_bytes.items():
     fits = device_bytes // size
     verdict = f"at most {fits:,} samples fit" if fits else "not even one sample fits"
+    verdict = "at most 1 sample fits" if fits == 1 else verdict
     print(f"{name:30s} {size / MiB:10,.2f} MiB per sample: {verdict}")
 
 
@@ -434,7 +437,8 @@ for name, size in per_sample_bytes.items():
 # ----------------
 # * Per-sample parameter Jacobians: ``vmap(jacrev(f), in_dims=(None, 0))`` with ``f`` built
 #   on ``functional_call``; check each parameter against a float64 loop.
-# * With P ≫ Y use ``jacrev``: ``jacfwd`` does about P / Y times the FLOPs (counted above).
+# * With P ≫ Y use ``jacrev``: ``jacfwd`` does about P / Y times the FLOPs (counted above),
+#   which on a GPU at this size need not show in the time; its P × P basis shows in memory.
 # * This loop of scalar backward passes through one batched forward does about B times
 #   ``vmap(jacrev)``'s arithmetic; a loop that runs each sample's forward alone does not.
 # * ``vmap(jacfwd)`` copies the first weight's block of the P × P basis once per sample (for
