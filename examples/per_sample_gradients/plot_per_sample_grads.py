@@ -166,7 +166,10 @@ def kink_sides(net, x):
 sides = zip(kink_sides(model, images), kink_sides(model64, images64))
 crossed = torch.stack([(a != b).flatten(1).any(1) for a, b in sides]).any(0)
 crossed_samples = crossed.nonzero().flatten().tolist()
-print(f"samples whose float32 forward crosses a kink: {crossed_samples}")
+print(
+    "samples whose float32 forward crosses a kink:",
+    crossed_samples or "none on this run",
+)
 
 # %%
 # Every other sample must match the float64 loop to within float32 rounding, parameter by
@@ -208,9 +211,11 @@ def per_sample_norms(grads):
 norms = per_sample_norms(per_sample_grads)
 reference_norms = torch.stack([torch.cat([g[i].flatten() for g in reference_grads.values()])
                                .norm() for i in range(batch_size)])  # fmt: skip
-norm_error = ((norms.double() - reference_norms).abs() / reference_norms).max().item()
-print(f"per-sample norms vs float64 loop: worst relative error {norm_error:.1e}")
-assert norm_error < 1e-4, f"per-sample norms: relative error {norm_error:.1e}"
+norm_errors = (norms.double() - reference_norms).abs() / reference_norms
+norm_error = norm_errors[~crossed].max().item()  # a crossed sample's norm moves with it
+print(f"per-sample norms vs float64 loop, samples away from kinks: worst relative error "
+      f"{norm_error:.1e} (bound 1e-05, {1e-5 / norm_error:.0f}x)")  # fmt: skip
+assert norm_error < 1e-5, f"per-sample norms: relative error {norm_error:.1e}"
 
 scale = (clip_norm / norms).clamp(max=1.0)
 clipped_grads = {
@@ -277,10 +282,11 @@ except RuntimeError as error:
 # %%
 # How fast is it?
 # ---------------
-# Each call allocates hundreds of MB and frees them. On Linux with glibc, we ask ``malloc`` to
-# keep freed memory in the process for reuse rather than map fresh pages for every call (why:
-# :doc:`/reading-timings`). The process's memory then grows over the first calls until freed
-# blocks fit the next ones, which is one more reason each method runs once before it is timed.
+# Each call allocates hundreds of MB and frees them. On a CPU, under Linux with glibc, we ask
+# ``malloc`` to keep freed memory in the process for reuse rather than map fresh pages for every
+# call (why: :doc:`/reading-timings`); the process's memory then grows over the first calls until
+# freed blocks fit the next ones, one more reason each method runs once before it is timed. On
+# a GPU the tensors live in device memory, which PyTorch's caching allocator keeps already.
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
@@ -326,15 +332,17 @@ for name, fn in methods.items():
     median_ms, iqr_ms = times[name].median * 1e3, spread_ms(times[name].iqr)
     blocks = len(times[name].times)
     print(f"{name:17s} {median_ms:8.1f} ms (IQR {iqr_ms} ms, {blocks} blocks)")
-vmap_speedup = times["loop"].median / times["vmap"].median
-if vmap_speedup >= 1:
-    vmap_vs_loop = f"vmap is {vmap_speedup:.2f}x faster than the loop"
-else:
-    vmap_vs_loop = f"vmap takes {1 / vmap_speedup:.2f}x the loop's time"
-print(vmap_vs_loop)
-print(
-    f"vmap takes {times['vmap'].median / times['batched'].median:.2f}x the batched pass"
-)
+
+
+def compare(a, b, b_name):  # worded by the ratio, so that it reads right either way
+    speedup = times[b].median / times[a].median
+    if speedup >= 1:
+        return f"{a} is {speedup:.2f}x faster than {b_name}"
+    return f"{a} takes {1 / speedup:.2f}x {b_name}'s time"
+
+
+vmap_vs_loop = compare("vmap", "loop", "the loop")
+print(vmap_vs_loop, compare("vmap", "batched", "the batched pass"), sep="\n")
 
 
 # %%
@@ -400,8 +408,11 @@ plt.show()
 # pass forms each weight gradient with one large product summed over the batch, ``vmap`` runs
 # the operations listed above, which keep the batch: B outer products in a ``bmm``, B groups in
 # a convolution. Writing the B·P floats of the answer would explain the printed share of the
-# gap; that those operations use the hardware less well than one large product is a likely
-# rest, which the page does not measure.
+# gap. On a CPU, that those operations use the hardware less well than one large product is a
+# likely rest, which the page does not measure. On a GPU, where their printed device times can
+# be a small part of the gap, the rest is probably on the host: the fixed price per operation
+# again, as ``vmap`` runs more operations than the batched pass (the page linked above counts
+# them for an MLP).
 
 # %%
 # What to remember

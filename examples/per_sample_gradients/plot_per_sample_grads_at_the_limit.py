@@ -42,10 +42,9 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 # %%
 # The recipe: vmap(grad) on an MLP, checked against a float64 loop
 # ----------------------------------------------------------------
-# ``grad(sample_loss)`` is the gradient of *one* sample's loss with respect to the parameters,
-# and ``vmap`` maps it over the batch: ``vmap(f)(x)`` equals stacking ``f(x_i)`` over
-# ``x.unbind(0)``. ``in_dims=(None, 0, 0)`` shares the parameters and maps images and targets.
-# The reference is the plain definition: one backward pass per sample, in float64.
+# ``grad(sample_loss)`` is the gradient of *one* sample's loss with respect to the parameters;
+# ``vmap`` maps it over the batch (``vmap(f)(x)`` stacks ``f(x_i)`` over ``x.unbind(0)``), with
+# ``in_dims=(None, 0, 0)`` sharing the parameters. Reference: one float64 backward per sample.
 class WideMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -98,12 +97,11 @@ print(f"MLP vmap(grad): worst parameter's relative error {worst:.1e}")
 # %%
 # The other methods
 # -----------------
-# ``chunk_size=16`` maps 16 samples at a time and concatenates the pieces. ``torch.compile``
-# compiles on its first call, timed on its own. With ``dynamic=True`` one graph could serve
-# every batch size, but class-index targets stop it: the loss indexes by them (``nll_loss``
-# gathers), and under ``vmap`` that fixes the batch size, so each new size fails a guard on it
-# and compiles again. One-hot targets, which ``cross_entropy`` reads as probabilities, need no
-# indexing; the compiled method takes them. Graphs of the loss alone (``backend="eager"``):
+# ``chunk_size=16`` maps 16 samples at a time and concatenates. ``torch.compile`` compiles on
+# its first call, timed apart. With ``dynamic=True`` one graph could serve every batch size,
+# but class-index targets stop it: ``nll_loss`` gathers by them, which under ``vmap`` fixes the
+# batch size, so each new size fails a guard and compiles again. One-hot targets (probabilities
+# to ``cross_entropy``) need no gather; the compiled method takes them. Graphs of the loss:
 def graphs_for(target_of):  # one call per batch size; returns the graphs compiled
     before = counters["stats"]["unique_graphs"]
     loss = vmap(lambda logits, t: F.cross_entropy(logits[None], t[None]))
@@ -120,11 +118,10 @@ assert graph_counts == (3, 1), graph_counts
 
 
 # %%
-# **Expanded weights** (``call_for_per_sample_grads``) is a **private API** (note the
-# underscore) that may change without notice: one ordinary backward pass leaves a
-# ``grad_sample`` on every parameter; ``loss_reduction="mean"`` says the loss is a batch mean.
-# **Opacus**' ``GradSampleModule`` does the same with hooks. Each gets its own copy of the
-# model, so that no hook runs inside another method's timing.
+# **Expanded weights** (``call_for_per_sample_grads``) is a **private API** that may change
+# without notice: one ordinary backward pass leaves a ``grad_sample`` on every parameter
+# (``loss_reduction="mean"``: the loss is a batch mean). **Opacus**' ``GradSampleModule`` does
+# the same with hooks. Each gets its own copy of the model: no hook runs in another's timing.
 def expanded_weights_fn(net):
     net = copy.deepcopy(net)
 
@@ -221,8 +218,7 @@ for method, fn in method_fns(mlp, mlp_compiled).items():
 # The network of PyTorch's per-sample-gradients tutorial. At its ReLUs' and max-pool's kinks
 # (an input near zero, two near-equal values in a pooling window) float32 and float64 can take
 # different sides, and their gradients differ by far more than rounding. So the check keeps
-# samples on which both take the same side of every kink: a guard, which the count printed
-# says whether this run needed.
+# samples on which both take the same side of every kink (the count says if this run needed it).
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -263,11 +259,10 @@ for method, fn in method_fns(cnn).items():
 # Two costs every method seems to share: (a) **one ordinary batched forward and backward
 # pass**, whose weight gradients' multiply-adds the per-sample formulas do without the batch
 # sum, and (b) **writing B·P floats**, a fill of a kept tensor. The floor is the larger, from
-# the same run: not a lower bound, as a method can skip work the batched step does and noise
-# moves both. Counted at batch 64: aten operations (nested ones and views included) by the
-# profiler; FLOPs by ``FlopCounterMode`` (formulas for matrix products, convolutions and
-# attention, none for elementwise ones); and, from the profiler's recorded shapes, elements of
-# elementwise products shaped like per-sample weights, ``(B, out, in)``. Both checked first.
+# the same run: not a lower bound, as a method can skip work the batched step does. Counted at
+# batch 64: aten operations (nested ones and views included) by the profiler; FLOPs by
+# ``FlopCounterMode`` (none for elementwise ops); and, from the profiler's recorded shapes,
+# elements of elementwise products shaped like per-sample weights, ``(B, out, in)``. Both checked:
 def batched_step_fn(net):
     weights = list(net.parameters())
     return lambda x, y: torch.autograd.grad(F.cross_entropy(net(x), y), weights)
@@ -308,11 +303,10 @@ assert outer == (weight_elements, 0, 0), outer
 # All asserted. **Expanded weights** lacks exactly the weight gradients' matrix products: it
 # forms the per-sample ones by broadcasting (its ``einsum`` runs as ``mul``), then scales them
 # by the batch size for ``"mean"`` (``maybe_scale_by_batch_size`` in its source). **Opacus**
-# matches the batched step's FLOPs as it computes the ordinary weight gradients too (filling
-# ``.grad``), *and* the per-sample products on top, uncounted. ``vmap`` and the hand-written
-# formulas use ``bmm``, counted. On the CNN the counter errs the other way: ``vmap`` forms a
-# convolution's per-sample weight gradients as one convolution with a group per sample, whose
-# backward formula ignores groups, so ``vmap`` shows ``B - 1`` extra copies.
+# has the batched step's FLOPs: it fills ``.grad`` too, with the per-sample products on top,
+# uncounted. ``vmap`` and the hand-written formulas use ``bmm``, counted. On the CNN the counter
+# errs the other way: ``vmap`` forms a convolution's per-sample weight gradients as one grouped
+# convolution (a group per sample), whose backward formula ignores groups: ``B - 1`` extra copies.
 cnn_flops = [counted_work(fn(cnn), cnn_images, cnn_targets)[0]
              for fn in (batched_step_fn, vmap_grad_fn)]  # fmt: skip
 positions = [26 * 26, 24 * 24]  # output positions of each 3x3 convolution, 28x28 input
@@ -325,12 +319,12 @@ print(f"CNN, batch {B}: FlopCounterMode counts {cnn_flops[1] / cnn_flops[0]:.1f}
 # %%
 # How fast is each method?
 # ------------------------
-# Calls allocate up to hundreds of MiB, which glibc would return to the kernel and fault in
-# afresh on the next call; this cell asks it to keep freed memory (:doc:`/reading-timings`).
-# Each method and part of the floor is timed with :class:`torch.utils.benchmark.Timer` (the CNN
-# at the tutorial's batch of 64, the MLP over batch sizes), with the interquartile range (IQR)
-# over blocks. A call too slow for three blocks in 0.2 s gets about three more if they fit in
-# about a second; else the page prints "one block".
+# On a CPU, calls allocate up to hundreds of MiB, which glibc would return to the kernel and
+# fault in afresh on the next call; this cell asks it to keep them (:doc:`/reading-timings`).
+# :class:`torch.utils.benchmark.Timer` times each method and part of the floor (the CNN at the
+# tutorial's batch of 64, the MLP over batch sizes), with the interquartile range (IQR) over
+# blocks. Its blocks grow until its overhead, on a GPU a synchronization, is negligible: a call
+# under 0.25 s with fewer than three blocks gets four more of about 50 ms; slower: "one block".
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
@@ -340,11 +334,10 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
 def measure(stmt, context):
     timer = benchmark.Timer(stmt, globals=context, num_threads=torch.get_num_threads())
     first = timer.blocked_autorange(min_run_time=0.2)
-    block = first.median * first.number_per_run  # seconds per block
-    if len(first.times) >= 3 or 4 * block > 1.0:
+    if len(first.times) >= 3 or first.median > 0.25:
         return first
-    more = timer.blocked_autorange(min_run_time=3 * block)
-    return benchmark.Measurement.merge([first, more])[0]
+    more = [timer.timeit(max(1, round(0.05 / first.median))) for _ in range(4)]
+    return benchmark.Measurement.merge([first, *more])[0]
 
 
 batch_sizes = {"CNN": [64], "MLP": [16, 64, 256]}
@@ -396,12 +389,17 @@ for (model_name, batch_size), times in results.items():
 for batch_size in batch_sizes["MLP"]:
     times = results["MLP", batch_size]
     best = min((m for m in METHODS if m in times), key=lambda m: times[m].median)
-    print(f"best exact method at batch {batch_size}: {best}, "
-          f"{over_floor(times, best):.2f} x the floor")  # fmt: skip
+    ratio = over_floor(times, best)
+    print(f"best exact method at batch {batch_size}: {best}, {ratio:.2f} x the floor")
+    if ratio < 1:
+        print(f"    {best} is {1 / ratio:.2f}x faster than the floor")
+lo, hi = batch_sizes["MLP"][0], batch_sizes["MLP"][-1]
+growth = [f"{m} {results['MLP', hi][m].median / results['MLP', lo][m].median:.2f}x"
+          for m in ("batched", "vmap")]  # fmt: skip
+print(f"MLP at batch {hi}, in multiples of the time at batch {lo}:", ", ".join(growth))
 
 # %%
-# The figure plots the same ratios; the dashed line is the floor. A point under it is a
-# method that beat this run's batched step or fill, not an impossible one.
+# The same ratios; dashed, the floor: a point under it beat this run's batched step or fill.
 fig, (ax_cnn, ax_mlp) = plt.subplots(
     1, 2, figsize=(9, 3.8), layout="constrained", width_ratios=[1, 2]
 )
@@ -429,9 +427,11 @@ plt.show()
 #   its distance from the floor is probably that fixed cost (on a GPU, a kernel launch too).
 # - **vmap(grad)** does the batched step's products, the per-sample ones as ``bmm``. Above the
 #   floor, extra passes over the B·P floats (copies, concatenations) and many small products
-#   for one large one are both candidates, which the counts do not tell apart. **Chunking**
-#   repeats the work per chunk and concatenates; **expanded weights** writes the per-sample
-#   weight gradients twice; **Opacus** computes the ordinary weight gradients as well.
+#   for one large one are candidates the counts do not tell apart; both grow with B. Where the
+#   times barely grow with B (the last line printed; on a GPU at these sizes they can stay
+#   flat), a fixed cost per operation sets them instead, and the operation counts are the guide.
+#   **Chunking** repeats the work per chunk and concatenates; **expanded weights** writes the
+#   per-sample weight gradients twice; **Opacus** computes the ordinary ones too.
 # - **The hand-written formulas** skip the ordinary weight gradients and write into kept
 #   buffers. The sibling page shows the catch: each call overwrites the result of the one before.
 
