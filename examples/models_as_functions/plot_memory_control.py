@@ -97,13 +97,12 @@ check_entries("vmap(jacrev), chunk_size=2", batch_jacobians, references)
 # How much memory, and how long?
 # ------------------------------
 # A call's peak memory is measured above what was live before it: on a GPU from the CUDA
-# allocator's count of bytes requested (before it rounds blocks up, as a CPU's allocator
-# does not); on a CPU from :class:`torch.profiler.profile`, which records every
-# allocation (scratch memory inside an operation included) with the total allocated after
-# it (counted from the recording's first allocation). The last total is what the call leaves
-# allocated, its result included. Times come from :class:`torch.utils.benchmark.Timer`: the
-# median and the IQR over at least five blocks. Every chunk size's result is checked against
-# the reference again.
+# allocator's count of bytes requested (``requested_bytes``, before it rounds blocks up); on a
+# CPU from :class:`torch.profiler.profile`, which records every allocation (scratch memory
+# inside an operation included) with the total allocated after it (counted from the
+# recording's first allocation). The last total is what the call leaves allocated, its result
+# included. Times come from :class:`torch.utils.benchmark.Timer`: the median and the IQR over
+# at least five blocks. Every chunk size's result is checked against the reference again.
 #
 # The larger calls allocate and free tens of MiB each. On Linux with glibc we ask ``malloc``
 # to keep freed memory for reuse, so that a call's time does not depend on what ran before it
@@ -173,9 +172,9 @@ for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
     for chunk_size, (time, peak) in curve.items():
         print(f"{name} chunk_size={chunk_size:3d}: {time.median * 1e3:7.1f} ms "
               f"{spread(time)}, peak {peak:6.2f} MiB")  # fmt: skip
-    (first_time, _), (last_time, _) = curve[min(curve)], curve[max(curve)]
-    print(f"{name}: chunk_size={min(curve)} takes {first_time.median / last_time.median:.2f}x "
-          f"the time of no chunking")  # fmt: skip
+    r = curve[min(curve)][0].median / curve[max(curve)][0].median
+    pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+    print(f"{name}: chunk_size={min(curve)} {pace} no chunking")
     peaks = [peak for _, peak in curve.values()]  # chunk_size doubles or more a step
     growth = min(after / before for before, after in zip(peaks, peaks[1:]))
     print(f"{name}: each step's peak is at least {growth:.2f}x the last (bound 1.5)")
@@ -296,8 +295,10 @@ prepare_ms, linearized_ms, jvp_ms, vmap16_ms = (  # the four calls after "forwar
 )
 assert costs["linearize, one product"][0] < costs["loop, one jvp"][0], "no FLOPs saved"
 assert costs["vmap, 16 jvps"][0] < 16 * costs["loop, one jvp"][0] - 10 * forward_flops
-print(f"one linearised product takes {linearized_ms / jvp_ms:.2f}x the time of one jvp; "
-      f"vmap(jvp) takes {vmap16_ms / 16 / jvp_ms:.2f}x per tangent")  # fmt: skip
+for what, r in [("one linearised product", linearized_ms / jvp_ms),
+                 ("vmap(jvp), per tangent,", vmap16_ms / 16 / jvp_ms)]:  # fmt: skip
+    pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+    print(f"{what} {pace} one jvp")
 saving_ms = jvp_ms - linearized_ms
 break_even = (prepare_ms - linearized_ms) / saving_ms if saving_ms > 0 else None
 if break_even:

@@ -206,15 +206,15 @@ plt.show()
 # -------------------------------------------------
 # We time the full kernel both ways with :class:`torch.utils.benchmark.Timer`, over at least
 # five blocks each (median and IQR over the blocks), and measure each call's peak memory above
-# what was live before: on a GPU from the CUDA allocator's counters, on a CPU from
+# what was live before: on a GPU from the CUDA allocator's count of requested bytes, on a CPU from
 # :class:`torch.profiler.profile`, which records every allocation and the total allocated after
 # it, counted from the call's first allocation. Batch 1 has 8 images; batch 2, the one the
 # products pull back, has 8 or 1. As the width grows, P grows faster than it, towards its
 # square as the second convolution's weights take over, and the activations in proportion to it.
 #
-# Each call allocates and frees up to tens of MiB. On Linux with glibc we first ask ``malloc``
-# to keep freed memory for reuse, so that a call's time does not depend on what ran before it
-# in the same process (:doc:`/reading-timings` says why).
+# Each call allocates and frees memory (its peak is printed). On a CPU, under Linux with glibc,
+# we first ask ``malloc`` to keep freed memory for reuse, so that a call's time does not depend
+# on what ran before it in the same process (:doc:`/reading-timings` says why).
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     M_MMAP_MAX, M_TRIM_THRESHOLD = -4, -1  # glibc's <malloc.h>
@@ -226,9 +226,9 @@ def peak_mib(fn):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-        live = torch.cuda.memory_allocated()
+        live = torch.cuda.memory_stats()["requested_bytes.all.current"]
         fn()
-        return (torch.cuda.max_memory_allocated() - live) / 2**20
+        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - live) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
         fn()
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -276,18 +276,24 @@ for batch_2_size in [8, 1]:
             row["ntk-vector products"],
         )
         jacobian_2_mib = batch_2_size * 10 * num_params * 4 / 2**20
+        r = ntk_time.median / jac_time.median
+        pace = (
+            f"take {r:.2f}x the time of" if r >= 1 else f"are {1 / r:.2f}x faster than"
+        )
         print(f"N₂={batch_2_size} P={num_params:6,}: jacrev {ms(jac_time)} {jac_mib:5.1f} MiB"
               f" | products {ms(ntk_time)} {ntk_mib:5.1f} MiB (J₂: {jacobian_2_mib:4.1f} MiB)\n"
-              f"    the products take {ntk_time.median / jac_time.median:.2f}x the time and "
-              f"{ntk_mib / jac_mib:.2f}x the memory of jacrev")  # fmt: skip
+              f"    the products {pace} jacrev; {ntk_mib / jac_mib:.2f}x its memory")  # fmt: skip
         sweep.append(row)
 
 # %%
-# The products build ``J₂`` (its size is printed beside their peak) and then push all its
-# ``N₂·10`` rows through batch 1 at once; the contraction builds both batches' Jacobians. On the
-# widest network, with 8 images in batch 2, we measure the push-forward alone (80 rows of a
-# Jacobian computed beforehand, so not counted) with all 80 rows and with the first 10. If
-# every row's tangent activations are held at once, the peak grows with the rows.
+# The products build ``J₂`` (its size is printed beside their peak), then push its rows through
+# batch 1; the contraction builds both batches' Jacobians. Both steps of the products carry every
+# row through every image of a batch at once (80 rows by 8 images at the widest), where the
+# contraction carries each image's 10 rows through that image alone. On the widest network, with
+# batch 1 on both sides, we measure each step alone: the pull-back, and the push-forward (of rows
+# computed beforehand, so not counted) of the first 10 rows and of all 80. If every row's tangent
+# activations are held at once, each added row adds at least the tangents of the second
+# convolution's input and output for the 8 images: both are live while it runs.
 rows = pull_back(net, net_params, sweep_images_1)
 push_peak = {}
 for count in (10, 80):
@@ -295,17 +301,36 @@ for count in (10, 80):
     push_peak[count] = peak_mib(
         partial(push_forward, net, net_params, sweep_images_1, first_rows)
     )
-print(f"pushing rows through batch 1: {push_peak[10]:.1f} MiB for 10 rows, "
-      f"{push_peak[80]:.1f} MiB for 80 ({push_peak[80] / push_peak[10]:.2f}x)")  # fmt: skip
-assert push_peak[80] > 5 * push_peak[10], "the push-forward held fewer rows at once"
+pull_peak = peak_mib(partial(pull_back, net, net_params, sweep_images_1))
+whole_peak = peak_mib(
+    partial(ntk_by_products, net, net_params, sweep_images_1, sweep_images_1)
+)
+j2_mib = 80 * num_params * 4 / 2**20  # the widest network's J₂ for 8 images
+w = net.conv1.out_channels  # conv2's tangent input: (w, 10, 10); output: (2w, 8, 8)
+per_row_mib = 8 * (w * 10 * 10 + 2 * w * 8 * 8) * 4 / 2**20  # for 8 images
+growth = push_peak[80] - push_peak[10]
+print(f"pull-back {pull_peak:.1f} MiB (J₂ {j2_mib:.1f} MiB); push-forward "
+      f"{push_peak[10]:.1f} MiB for 10 rows, {push_peak[80]:.1f} MiB for 80; "
+      f"both together {whole_peak:.1f} MiB")  # fmt: skip
+steps = {"the pull-back": pull_peak, "J₂ plus the push-forward": j2_mib + push_peak[80]}
+larger = max(steps, key=steps.get)
+print(f"the larger step is {larger}; the whole call's peak is "
+      f"{whole_peak / steps[larger]:.2f}x its peak")  # fmt: skip
+bound = 70 * per_row_mib
+print(f"push-forward, 10 to 80 rows: +{growth:.1f} MiB; 70 rows of conv2's tangent input"
+      f" and output: {bound:.1f} MiB ({growth / bound:.2f}x, bound 1)")  # fmt: skip
+assert growth >= bound, "the push-forward held fewer rows at once"
 
 # %%
-# So with ``N₂ = N₁`` the products save one of the two Jacobians, and the tangent activations of
-# batch 1 come on top, outweighing it. When batch 2 is small, the products hold one small
-# Jacobian and the contraction still holds batch 1's. We assert, at every width, that the
-# products take more memory than the contraction with 8 images in batch 2, and that the ratio
-# drops with one image; and that with one image they take less at the widest network. So: pull
-# back the *smaller* batch (swap the roles and transpose the kernel if need be).
+# So with ``N₂ = N₁`` the products save one of the two Jacobians but carry all rows at once in
+# both steps. The printed lines name the step with the larger peak, and say whether it alone
+# accounts for the whole call's peak (on a CPU it did). On a GPU, a library's scratch memory
+# inside an operation can come on top and dominate the peak; the steps measured alone show which
+# one holds it. When batch 2 is small, the products hold one small Jacobian and the contraction
+# still holds batch 1's. We assert, at every width, that the products take more memory than the
+# contraction with 8 images in batch 2, and that the ratio drops with one image; and that with one
+# image they take less at the widest network. So: pull back the *smaller* batch (swap the roles
+# and transpose the kernel if need be).
 memory_ratio = {
     (r["N₂"], r["P"]): r["ntk-vector products"][1] / r["jacrev"][1] for r in sweep
 }
@@ -363,11 +388,10 @@ for method, call in one_product.items():
 (jac_time, jac_mib), (ntk_time, ntk_mib) = measured.values()
 widest_p = sum(p.numel() for p in net_params.values())
 batch_jacobian_mib = len(sweep_images_1) * 10 * widest_p * 4 / 2**20
-print(
-    f"one product takes {ntk_mib / jac_mib:.3f}x the memory and "
-    f"{ntk_time.median / jac_time.median:.2f}x the time of the kernel route; "
-    f"one batch's Jacobian is {batch_jacobian_mib:.2f} MiB"
-)
+r = ntk_time.median / jac_time.median
+pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+print(f"one product {pace} the kernel route, with {ntk_mib / jac_mib:.3f}x its memory; "
+      f"one batch's Jacobian is {batch_jacobian_mib:.2f} MiB")  # fmt: skip
 assert ntk_mib < batch_jacobian_mib, "one NTK-vector product held a batch's Jacobian"
 
 # %%
@@ -378,6 +402,5 @@ assert ntk_mib < batch_jacobian_mib, "one NTK-vector product held a batch's Jaco
 # * Check a kernel entry by entry against float64 loop Jacobians: symmetry holds even when an
 #   index is wrong, and the entry check caught a slipped index here.
 # * The whole kernel by NTK-vector products holds ``J₂`` (``vmap(vjp_fn)`` over unit vectors is
-#   ``J₂ᵀ``) plus the tangent activations of all its rows at once: here it took less memory than
-#   the contraction with one image in batch 2, and more with eight.
-# * One ``Θ u`` is a ``vjp`` then a ``jvp`` and holds no Jacobian: use it in iterative solvers.
+#   ``J₂ᵀ``) and runs all its rows at once, in the pull-back and in the push-forward: here it
+#   took less memory than the contraction with one image in batch 2, and more with eight.

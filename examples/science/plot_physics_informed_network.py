@@ -354,8 +354,9 @@ plt.show()
 # :func:`torch.autograd.grad` on the *sum* of the outputs with ``create_graph=True``. That
 # gives each point its own derivative only because each output depends on its own point alone
 # (no layer mixes the batch); the transforms need no such argument. First the two residuals
-# must agree; then each is timed with the backward pass for the parameters, as in one
-# training step.
+# must agree, within 16 float32 epsilons (``2⁻²³``) of the largest ``|u_t| + κ |u_xx|``: the
+# residual subtracts two terms of that size, and rounds at their scale. Then each is timed with
+# the backward pass for the parameters, as in one training step.
 def residuals_by_autograd(xs, ts, params):
     xs, ts = xs.detach().requires_grad_(), ts.detach().requires_grad_()
     outputs = u(xs, ts, params)
@@ -367,8 +368,12 @@ def residuals_by_autograd(xs, ts, params):
 live = dict(model.named_parameters())
 by_transforms = residuals(inside_x, inside_t, live)
 by_autograd = residuals_by_autograd(inside_x, inside_t, live)
+sizes = [
+    vmap(f, in_dims=(0, 0, None))(inside_x, inside_t, live).abs() for f in (u_t, u_xx)
+]
+scale = (sizes[0] + diffusivity * sizes[1]).max().item()  # the largest |u_t| + κ |u_xx|
 within_bound("residuals: transforms vs autograd.grad", by_transforms,
-             by_autograd.detach().cpu().double(), 5e-7)  # fmt: skip
+             by_autograd.detach().cpu().double(), 16 * 2**-23 * scale)  # fmt: skip
 
 routes = {
     "vmap of nested grad": residuals,
