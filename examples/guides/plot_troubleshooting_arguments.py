@@ -435,8 +435,8 @@ plt.show()
 # %%
 # What to remember
 # ----------------
-# * ``in_dims`` and ``out_dims`` are an int or a tuple (not a list), one entry per argument or
-#   output: the batch axis of a tensor, ``None`` for what is shared or not a tensor.
+# * ``in_dims`` and ``out_dims``: an int, or a tuple (not a list) of one entry per argument or
+#   output: a batch axis, ``None`` for what is shared or not a tensor, or such entries nested.
 # * ``grad`` wants a real scalar tensor (``(loss, aux)`` with ``has_aux``) and differentiates
 #   positional arguments only; ``jvp`` wants tuples, a tangent per primal, and ``vjp`` a
 #   cotangent per output, each of the same shape.

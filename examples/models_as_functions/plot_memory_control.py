@@ -173,8 +173,8 @@ for name, curve in [("jacrev", jacrev_curve), ("vmap chunked", vmap_curve)]:
         print(f"{name} chunk_size={chunk_size:3d}: {time.median * 1e3:7.1f} ms "
               f"{spread(time)}, peak {peak:6.2f} MiB")  # fmt: skip
     r = curve[min(curve)][0].median / curve[max(curve)][0].median
-    pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
-    print(f"{name}: chunk_size={min(curve)} {pace} no chunking")
+    say = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+    print(f"{name}: chunk_size={min(curve)} {say} no chunking")
     peaks = [peak for _, peak in curve.values()]  # chunk_size doubles or more a step
     growth = min(after / before for before, after in zip(peaks, peaks[1:]))
     print(f"{name}: each step's peak is at least {growth:.2f}x the last (bound 1.5)")
@@ -297,8 +297,8 @@ assert costs["linearize, one product"][0] < costs["loop, one jvp"][0], "no FLOPs
 assert costs["vmap, 16 jvps"][0] < 16 * costs["loop, one jvp"][0] - 10 * forward_flops
 for what, r in [("one linearised product", linearized_ms / jvp_ms),
                  ("vmap(jvp), per tangent,", vmap16_ms / 16 / jvp_ms)]:  # fmt: skip
-    pace = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
-    print(f"{what} {pace} one jvp")
+    say = f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+    print(f"{what} {say} one jvp")
 saving_ms = jvp_ms - linearized_ms
 break_even = (prepare_ms - linearized_ms) / saving_ms if saving_ms > 0 else None
 if break_even:

@@ -226,9 +226,9 @@ def peak_mib(fn):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-        live = torch.cuda.memory_stats()["requested_bytes.all.current"]
+        held = torch.cuda.memory_stats()["requested_bytes.all.current"]
         fn()
-        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - live) / 2**20
+        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - held) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
         fn()
     with tempfile.TemporaryDirectory() as trace_dir:
