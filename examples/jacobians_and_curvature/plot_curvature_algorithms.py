@@ -4,12 +4,11 @@ Curvature algorithms from Hessian-vector products
 
 Many uses of a loss's curvature need only products with the Hessian, never the matrix: the
 largest eigenvalue by power iteration, and Newton steps by conjugate gradients (CG). This page
-runs both on a model small enough that its dense Hessian can be formed, so that every result is
-checked against the dense matrix. It then shows why a Newton solver wants the Gauss-Newton
-matrix instead of the Hessian: CG needs a positive-definite matrix, the Hessian here is not
-one, and the Gauss-Newton matrix, whose product is a ``jvp`` and a ``vjp`` of the model, is
-positive semi-definite by construction. All products are taken at one θ, so a solver can pay
-once what depends on θ alone. Building the product, and its cost on a large model:
+runs both on a model small enough to form its dense Hessian, and checks every result against it.
+It then shows why a Newton solver wants the Gauss-Newton matrix instead: CG needs a matrix that
+is positive definite, the Hessian here is not, and the Gauss-Newton matrix, whose product is a
+``jvp`` and a ``vjp`` of the model, is positive semi-definite by construction. All products are
+taken at one θ, so a solver pays once what depends on θ alone. The product on a large model:
 :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`.
 """
 
@@ -91,7 +90,6 @@ def relative_error(result, reference, bound, what):
     error = ((result - reference).norm() / reference.norm()).item()
     print(f"{what}: relative error {error:.1e} (bound {bound:.0e})")
     assert error < bound, what
-    return error
 
 
 relative_error(dense_hessian, reference_hessian, 1e-14, "hessian against autograd's")
@@ -189,6 +187,7 @@ for name, seconds in times.items():
         low, mid, high = per_round(name, per_call)
         words, low, high = ((f"{mid:.2f}x the time of", low, high) if mid >= 1 else
                             (f"{1 / mid:.2f}x faster than", 1 / high, 1 / low))  # fmt: skip
+        words = f"no order on this run, median {words}" if low < 1 < high else words
         print(f"{name}: {words} one jvp of grad (ratio IQR {low:.3g} to {high:.3g})")
 dense_over_product = flops["dense Hessian, then times v"] / flops["linearized"]
 print(f"dense Hessian: {dense_over_product:.1f} linearized products' FLOPs, P = "
@@ -197,17 +196,18 @@ print(f"dense Hessian: {dense_over_product:.1f} linearized products' FLOPs, P = 
 assert num_params <= dense_over_product < 1.1 * num_params
 
 # %%
-# ``n`` products cost a way's one-off and ``n − 1`` more (``n`` for the ``jvp`` rebuilt per
-# call). From the medians, the page finds the count beyond which one way costs less than
-# another, and for power iteration's names the way with the lowest total, or a tie.
+# ``n`` products cost a way's one-off and ``n − 1`` more (``n`` for the ``jvp`` rebuilt per call).
+# From this run's medians and one-offs (each measured once), the page finds the rough count beyond
+# which one way costs less than another, and the way (or tie) with the lowest ``POWER_STEPS`` total.
 median = {way: quartiles(times[way])[1] for way in setup}
 c = {way: setup[way] - median[way] * (way != per_call) for way in setup}
 for a, b in [("kept vjp", per_call), ("linearized", per_call),
              ("linearized", "kept vjp")]:  # fmt: skip
     n = (c[b] - c[a]) / ((median[a] - median[b]) or 1e-30)  # where the totals cross
     lower = min((a, b), key=median.get)  # the cheaper beyond the crossing
-    where = f"beyond {math.floor(n)} products" if n > 1 else "from the first product"
-    print(f"{a} against {b}: {lower} costs less in all {where}")
+    where = (f"beyond {math.floor(n)} product{'s' * (n >= 2)}" if n > 1
+             else "from the first product")  # fmt: skip
+    print(f"{a} against {b}: on this run, {lower} costs less in all {where}")
 totals = {way: quartiles([setup[way] + (POWER_STEPS - (way != per_call)) * t
                           for t in times[way]]) for way in setup}  # fmt: skip
 for way, (low, mid, high) in totals.items():
@@ -315,8 +315,8 @@ def conjugate_gradients(product, steps=150, tolerance=1e-13):
 
 _, hessian_residuals, hessian_stopped = conjugate_gradients(hvp_at_theta)
 met = "met" if hessian_stopped else "did not meet"
-print(f"CG on H + λI: {met} non-positive curvature after "
-      f"{len(hessian_residuals)} steps")  # fmt: skip
+print(f"CG on H + λI: {met} non-positive curvature after {len(hessian_residuals)} "
+      f"step{'s' * (len(hessian_residuals) != 1)}")  # fmt: skip
 assert hessian_stopped
 
 # %%

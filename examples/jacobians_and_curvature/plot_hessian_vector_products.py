@@ -2,26 +2,24 @@
 Hessian-vector products of a loss
 =================================
 
-The Hessian of a loss with respect to a model's P parameters has P² entries, far too many to
-form for a real network; Newton-type optimisers, sharpness measures and influence functions use
-the Hessian *times a vector*, ``H v``, which never forms ``H``. This page builds it for an
-MLP's loss three ways, from :func:`~torch.func.grad`, :func:`~torch.func.jvp` and ``vjp``,
-checks each tensor against float64 autograd, and measures each against one gradient, in
-matrix-product FLOPs and time: eager, compiled, and built once at fixed parameters
-(:func:`~torch.func.linearize` or a kept :func:`~torch.func.vjp`) for many products.
-:ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_curvature_algorithms.py` puts the
-product to work: power iteration, Newton steps by conjugate gradients, and Gauss-Newton.
+The Hessian of a loss in a model's P parameters has P² entries, too many to form for a real
+network; Newton-type optimisers, sharpness measures and influence functions need only ``H v``.
+This page builds it for an MLP's loss three ways from :func:`~torch.func.grad`,
+:func:`~torch.func.jvp` and ``vjp``, checks it against float64 autograd, and costs it against
+one gradient: eager, compiled, and built once at fixed parameters (:func:`~torch.func.linearize`
+or a kept :func:`~torch.func.vjp`, with the memory each keeps), in matrix-product FLOPs and time.
+:ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_curvature_algorithms.py` uses it.
 """
 
 # %%
 # The recipe: the derivative of the gradient along ``v``
 # ------------------------------------------------------
-# The gradient ``g(θ) = ∇L(θ)`` is itself a function of the parameters, and ``H v`` is its
-# derivative in the direction ``v``: ``H v = d/dε g(θ + εv)`` at ε = 0. So take ``grad`` of
-# the loss, and push the tangent ``v`` through it with ``jvp``: *forward-over-reverse*. The
-# parameters are a dictionary, run by :func:`~torch.func.functional_call`; the direction and
-# the product are dictionaries of the same shapes.
+# The gradient ``g(θ) = ∇L(θ)`` is a function of the parameters, and ``H v = d/dε g(θ + εv)``
+# at ε = 0 is its derivative along ``v``: push the tangent ``v`` through ``grad`` of the loss
+# with ``jvp``, *forward-over-reverse*. The parameters, the direction and the product are
+# dictionaries of the same shapes; :func:`~torch.func.functional_call` runs the model on them.
 import collections
+import gc
 import re
 import time
 import warnings
@@ -58,9 +56,7 @@ def loss_fn(params, inputs, targets):
 
 
 def hvp_forward_over_reverse(params, vector, inputs, targets):
-    def gradient_fn(p):
-        return grad(loss_fn)(p, inputs, targets)
-
+    gradient_fn = grad(lambda p: loss_fn(p, inputs, targets))  # of the parameters alone
     _, product = jvp(gradient_fn, (params,), (vector,))  # (gradient, H v)
     return product
 
@@ -73,10 +69,9 @@ product = hvp_forward_over_reverse(params, direction, inputs, targets)
 # %%
 # The check: float64 autograd, itself checked by a finite difference
 # ------------------------------------------------------------------
-# The reference is :func:`torch.autograd.functional.hvp` in float64, on the loss written out
-# by hand: plain autograd, no ``torch.func``, no module. It is itself checked against a central
-# difference of float64 gradients, ``(g(θ + εv) − g(θ − εv)) / 2ε``, to the difference's own
-# accuracy (of order ε², ε = 1e-4). Each tensor of a product is compared on its own.
+# The reference is :func:`torch.autograd.functional.hvp` in float64 on the loss written out by
+# hand (plain autograd, no ``torch.func``, no module), itself checked against a central difference
+# of float64 gradients, ``(g(θ + εv) − g(θ − εv)) / 2ε``, to its accuracy (order ε², ε = 1e-4).
 
 
 def reference_loss(*leaves):
@@ -119,13 +114,10 @@ check_each_tensor("forward-over-reverse", product, reference_hvp, bound=1e-5)
 # %%
 # Two more ways to build the product
 # ----------------------------------
-# Each must match the reference to rounding in float64, and to float32's in float32.
-#
-# * **reverse-over-reverse**: ``H`` is symmetric, so ``H v = Hᵀ v`` is a vector-Jacobian
-#   product of the gradient: ``vjp(grad(L), θ)`` applied to ``v`` (in plain autograd,
-#   ``torch.autograd.grad(g, θ, v)`` of ``g = torch.autograd.grad(L, θ, create_graph=True)``).
-# * **reverse-over-forward**: the directional derivative ``θ ↦ ∇L(θ)·v`` is a scalar, one
-#   ``jvp`` of the loss; its gradient is ``H v``.
+# **Reverse-over-reverse**: ``H`` is symmetric, so ``H v = Hᵀ v``, a vector-Jacobian product of
+# the gradient: ``vjp(grad(L), θ)`` applied to ``v`` (plain autograd: ``torch.autograd.grad`` of
+# a gradient taken with ``create_graph=True``). **Reverse-over-forward**: ``grad`` of the scalar
+# ``θ ↦ ∇L(θ)·v``, one ``jvp`` of the loss. Each must match the reference to its dtype's rounding.
 
 
 def hvp_reverse_over_reverse(params, vector, inputs, targets):
@@ -153,10 +145,9 @@ for dtype, bound in [(torch.float64, 1e-14), (torch.float32, 1e-5)]:
 # %%
 # The gradient, the product, the loss and the logits from one call
 # ----------------------------------------------------------------
-# A training step that also wants curvature need not run the model twice:
-# :func:`~torch.func.grad_and_value` with ``has_aux=True`` returns the loss and logits beside
-# the gradient, and ``jvp`` with ``has_aux=True`` passes them through. One call, one forward
-# (a hook counts), returns the gradient (the ``jvp``'s primal), ``H v``, the loss and logits.
+# A training step that also wants curvature need not run the model twice: ``jvp`` with
+# ``has_aux=True`` passes through the loss and logits that :func:`~torch.func.grad_and_value`
+# returns beside the gradient. One call, one forward (a hook counts), returns all four.
 
 
 def loss_and_logits(params, inputs, targets):
@@ -182,11 +173,10 @@ print(f"loss {loss.item():.4f} and logits {tuple(logits.shape)}: one forward cal
 # %%
 # What does a product cost? Count the matrix products
 # ---------------------------------------------------
-# A dispatch mode of our own adds up the FLOPs of the matrix products a call runs, noting
-# those with an all-zero operand (it leaves out element-wise work). It must agree with
-# ``FlopCounterMode``, and for a gradient with the closed form: a forward pass
-# (``2·B·n_in·n_out`` per layer) and a backward pass with two products per layer (weight and
-# input gradients), less the first layer's input gradient.
+# A dispatch mode of our own adds up the FLOPs of the matrix products a call runs, noting those
+# with an all-zero operand (element-wise work is left out). It must agree with ``FlopCounterMode``
+# and, for a gradient, with the closed form: a forward pass (``2·B·n_in·n_out`` per layer), then
+# a weight and an input gradient per layer, less the first layer's input gradient.
 
 
 class MatmulCounter(TorchDispatchMode):  # FLOPs, with and without a zero operand
@@ -225,12 +215,10 @@ for method, c in counted.items():
           f"{c.zero / c.total:.0%} with an all-zero operand {sorted(c.zero_shapes)}")  # fmt: skip
 
 # %%
-# The tangent of a product ``A B`` is ``dA B + A dB``, two products for each one of the
-# gradient's, so forward-over-reverse could be expected at three gradients. But part of that
-# count multiplies an all-zero tensor the shape of the input batch: the inputs are not
-# differentiated, yet eager forward mode gives them a zero tangent and runs two products the
-# size of the first layer's with it. Without them, forward-over-reverse counts exactly what
-# reverse-over-reverse does (both asserted).
+# The tangent of ``A B`` is ``dA B + A dB``: two products for each of the gradient's, three
+# gradients in all. But part of that multiplies an all-zero tensor the shape of the input batch:
+# the inputs are not differentiated, yet eager forward mode gives them a zero tangent and runs
+# two first-layer products with it. Without them, it counts exactly reverse-over-reverse's.
 fr = counted["forward-over-reverse"]
 assert (fr.zero, fr.zero_shapes) == (2 * first_layer, {tuple(inputs.shape)})
 assert fr.flops[0] == counted["reverse-over-reverse"].total
@@ -239,9 +227,8 @@ assert fr.flops[0] == counted["reverse-over-reverse"].total
 # %%
 # How fast is it?
 # ---------------
-# A machine's load drifts, so a product is set only against a gradient timed just before it:
-# in each of several rounds, one block of gradient calls, then one of the product's
-# (``torch.utils.benchmark``); printed, the per-round ratios' median and IQR.
+# A machine's load drifts, so each of several rounds times one block of gradient calls, then one
+# of the product's (``torch.utils.benchmark``); printed: the per-round ratios' median and IQR.
 ROUNDS, ratios = 7, {}  # ratios: name -> quartiles of the per-round ratio
 
 
@@ -267,8 +254,12 @@ def report(name, pairs, baseline, per_product=lambda t: t, shown=None):
     (g1, g, g3), (t1, t, t3) = (quartiles([pair[i] for pair in pairs]) for i in (0, 1))
     shown = shown or (f"{t * 1e3:.1f} ms (IQR {(t3 - t1) * 1e3:.4g} ms) against "
                       f"{baseline} {g * 1e3:.1f} ms (IQR {(g3 - g1) * 1e3:.4g} ms)")  # fmt: skip
-    print(f"{name}: {shown}; ratio IQR {q[0]:.2f} to {q[2]:.2f}, {len(pairs)} rounds")
-    print(f"hvp {name}: {q[1]:.2f} x one gradient")
+    pace = ("no order against the gradient on this run" if q[0] < 1 < q[2] else
+            f"takes {q[1]:.2f}x the gradient's time" if q[1] >= 1 else
+            f"is {1 / q[1]:.2f}x faster than the gradient")  # fmt: skip
+    print(f"{name}: {shown}; {pace} (ratio IQR {q[0]:.2f} to {q[2]:.2f}, "
+          f"{len(pairs)} rounds)")  # fmt: skip
+    print(f"hvp {name} against {baseline}: {q[1]:.2f} x one gradient")  # a fixed form
 
 
 arguments = (params, direction, inputs, targets)
@@ -282,14 +273,12 @@ for method, pairs in eager.items():
 # Compiled
 # --------
 # The gradient and reverse-over-reverse, the product with the fewest counted FLOPs, compiled
-# (compile time apart); the compiled product's baseline is the compiled gradient. Dynamo skips
-# a frame while a Python dispatch mode such as ``FlopCounterMode`` is active (bar infra modes
-# and those whose ``ignore_compile_internals()`` is true), and on this torch the frame stays
-# eager afterwards until ``torch._dynamo.reset()``: nothing compiled is called under a counter.
-# The profiler lists the matrix products (``mm``, ``addmm``, checked on eager code; no other
-# matrix-product op may appear) and shows compiled code ran: a compiled region, no
-# ``aten::tanh`` (fused). Compiled reverse-over-reverse leaves out the weight gradients ``δᵀ h``:
-# the gradient's value, which eager ``vjp`` returns as its primal; compiled code need not.
+# (compile time apart); the product is set against the compiled gradient. Dynamo runs a frame
+# eager under a Python dispatch mode such as ``FlopCounterMode`` (bar some), and it can stay
+# eager afterwards: nothing compiled runs under a counter. The profiler shows compiled code ran
+# (a compiled region, no ``aten::tanh``: fused) and lists the ``mm`` and ``addmm`` (no other
+# product op): compiled reverse-over-reverse leaves out the weight gradients ``δᵀ h``, the
+# gradient's value, which eager ``vjp`` returns as its primal.
 PRODUCTS = {"aten::mm": slice(0, 2), "aten::addmm": slice(1, 3)}
 MATRIX_OPS = re.compile(r"^\w+::\w*(mm|matmul|linear|dot|mv|gemm|conv|einsum)")
 
@@ -313,8 +302,7 @@ assert cheapest == "reverse-over-reverse"
 compiled = {n: torch.compile(calls[n]) for n in ("gradient", cheapest)}
 counters.clear()
 start = time.perf_counter()
-compiled["gradient"]()
-result = compiled[cheapest]()
+_, result = compiled["gradient"](), compiled[cheapest]()
 compile_s, hits = time.perf_counter() - start, counters["inductor"]["fxgraph_cache_hit"]
 graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"]
 print(f"torch.compile, first calls of both: {compile_s:.1f} s, measured once; {graphs} "
@@ -343,15 +331,16 @@ assert counters["stats"]["unique_graphs"] == 2  # timing compiled nothing new
 # %%
 # At fixed parameters: pay the first differentiation once
 # --------------------------------------------------------
-# Power iteration and conjugate gradients take many products at one θ. Two ways pay the part
-# that depends on θ alone once: ``linearize(grad(L), θ)`` traces the ``jvp`` of the gradient
-# and, on its first call, folds into constants all that does not depend on the tangent; a
-# kept ``vjp(grad(L), θ)`` runs the gradient once and keeps its graph for the backward passes.
-# Each must count reverse-over-reverse's products less one gradient's, none with a zero operand
-# (asserted). One-off costs (building, first product) are measured once, checks outside; the
-# page's first ``linearize``, at another θ, is timed apart, as a process's first trace can pay
-# one-time setup. Amortised: the one-off and ``n − 1`` products, over the sibling page's ``n``.
-SIBLING_POWER_STEPS = 80  # a constant copied from the sibling page
+# Power iteration and conjugate gradients take many products at one θ. Two ways pay once what
+# depends on θ alone: ``linearize(grad(L), θ)`` traces the ``jvp`` of the gradient and, on its
+# first call, folds into constants all that does not depend on the tangent; a kept
+# ``vjp(grad(L), θ)`` runs the gradient once and keeps its graph. Each must count the products of
+# reverse-over-reverse less a gradient's, none with a zero operand. A first build and call of
+# each, at another θ and untimed, pays any one-time setup and measures what it keeps alive (CPU:
+# the profiler's bytes allocated less freed; GPU: the change in ``requested_bytes``; checked on
+# ``torch.ones(2**20) + 1``, which keeps one of two 4 MiB tensors). At θ, the one-off (building,
+# first product) is measured once; amortised: it and ``n − 1`` products, over the sibling's ``n``.
+n = SIBLING_POWER_STEPS = 80  # a constant copied from the sibling page
 gradient_at = grad(lambda p: loss_fn(p, inputs, targets))
 
 
@@ -366,30 +355,45 @@ def once(fn):  # seconds, measured once, and the result
     return time.perf_counter() - start, result
 
 
+def kept_mib(fn):  # MiB of the tensors that fn allocates and leaves alive; fn's result
+    gc.collect()
+    requested = "requested_bytes.all.current"  # on a GPU, the caching allocator's count
+    first = torch.cuda.memory_stats()[requested] if device.type == "cuda" else 0
+    with torch.profiler.profile(profile_memory=True) as profile:  # on a CPU, logs each
+        result = fn()  # allocation and free
+        gc.collect()  # cyclic garbage that fn left is not kept
+    if device.type == "cuda":
+        return (torch.cuda.memory_stats()[requested] - first) / 2**20, result
+    return sum(e.self_cpu_memory_usage for e in profile.events()) / 2**20, result
+
+
 builders = {"linearize": lambda p: linearize(gradient_at, p)[1]}
 builders["vjp built once"] = kept_vjp
 elsewhere = {name: p + 1e-2 * direction[name] for name, p in params.items()}
-built, first_call, product_at, first_product = {}, {}, {}, {}
+built, first_call, product_at, first_product, kept = {}, {}, {}, {}, {}
+four_mib = kept_mib(lambda: torch.ones(2**20, device=device) + 1)[0]
+print(f"kept by torch.ones(2**20) + 1: {four_mib:.4f} MiB (closed form: 4 MiB)")
+assert 4 <= four_mib < 4.01, four_mib
 with warnings.catch_warnings():  # the tracer warns about a constant that it folds
     warnings.filterwarnings("ignore", message="Attempted to insert a get_attr")
-    first_linearize = once(lambda: builders["linearize"](elsewhere)(direction))[0]
     for way, build in builders.items():
+        kept[way], again = kept_mib(lambda build=build: build(elsewhere))
+        kept[way] += kept_mib(lambda f=again: f(direction).clear())[0]  # drops H v
         built[way], product_at[way] = once(lambda build=build: build(params))
         fn = product_at[way]
         first_call[way], first_product[way] = once(lambda fn=fn: fn(direction))
-print(f"the page's first linearize, at another θ, trace and first product: "
-      f"{first_linearize:.2f} s, measured once")  # fmt: skip
 expected = counted["reverse-over-reverse"].total - gradient_flops
 for way, fn in product_at.items():
     print(f"{way} at θ: building {built[way] * 1e3:.1f} ms, first product "
-          f"{first_call[way] * 1e3:.1f} ms, measured once")  # fmt: skip
+          f"{first_call[way] * 1e3:.1f} ms, measured once; keeps {kept[way]:.1f} MiB")  # fmt: skip
     check_each_tensor(way, first_product[way], reference_hvp, bound=1e-5)
     c = count(lambda fn=fn: fn(direction))
     assert (c.total, c.zero) == (expected, 0), (way, c.total, c.zero)
     flop_ratios[f"{way} (per product)"] = c.total / gradient_flops
+big, small = sorted(kept, key=kept.get, reverse=True)
+print(f"{big} keeps {kept[big] / kept[small]:.1f}x the tensor memory of {small}")
 fixed = time_rounds({w: lambda fn=fn: fn(direction) for w, fn in product_at.items()},
                     calls["gradient"])  # fmt: skip
-n = SIBLING_POWER_STEPS
 for way, pairs in fixed.items():
     report(f"{way} (per product)", pairs, "the eager gradient")
     one_off = built[way] + first_call[way]
@@ -398,8 +402,11 @@ for way, pairs in fixed.items():
            shown=f"one-off {one_off * 1e3:.0f} ms, measured once, + {n - 1} products")  # fmt: skip
 
 # %%
-# The fastest of the eager and amortised products, all against the eager gradient, is named
-# only when its ratio's IQR lies wholly below every other's; where they overlap, they tie.
+# The fastest of the eager and amortised products (against the eager gradient) is named only
+# when its ratio's IQR lies below every other's; if they overlap, they tie. The figure: times
+# (bars, median and IQR of the per-round ratio; hatched, one-off included) and counted
+# matrix-product FLOPs (diamonds), in gradients. A gap either way means uncounted work sets the
+# time, in the product or in its baseline (element-wise passes, the transforms' overhead).
 left_out_here = ("per product", "compiled")
 contenders = {n: q for n, q in ratios.items() if not any(w in n for w in left_out_here)}
 best, *rest = sorted(contenders, key=lambda n: contenders[n][1])
@@ -409,11 +416,6 @@ verdict = f"overlapping {', '.join(ties)}: they tie" if ties else "below all oth
 print(f"{best}: ratio IQR {low:.2f} to {high:.2f}, {verdict}")
 label = "lowest median" if ties else "fastest"
 print(f"hvp {label} against the eager gradient ({best}): {mid:.2f} x one gradient")
-
-# %%
-# Times (bars: median and IQR of the per-round ratio; hatched: one-off included) beside the
-# counted matrix-product FLOPs (diamonds), in gradients. A gap between them is work the FLOPs
-# do not count (element-wise passes, the transforms' overhead), varying with machine and load.
 METHOD_COLORS = {"forward-over-reverse": "#EE3377", "reverse-over-reverse": "#997700",
                  "reverse-over-forward": "#BBCC33", "compiled": "#117733",
                  "linearize": "#CC3311"}  # fmt: skip
@@ -445,4 +447,4 @@ plt.show()
 #   that a timed compiled call ran compiled code.
 # * Time a product beside a gradient, over rounds; name a winner only when spreads separate.
 #   At fixed θ, build the product once (``linearize`` or a kept ``vjp`` of ``grad``): which
-#   is cheaper depends on its one-off cost and the number of products, as measured here.
+#   to use depends on its one-off cost, the number of products and the memory it keeps.
