@@ -280,6 +280,7 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "to return a scalar Tensor, got tensor with 1 dims",
             {"plot_troubleshooting_arguments"},
         ),
+        ("Trying to use forward AD with igamma", {"plot_troubleshooting_libraries"}),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):
