@@ -161,9 +161,9 @@ for order, result in hessians.items():
 
 # %%
 # The most common case is the Hessian of a scalar, such as a loss: here the sum of the outputs,
-# whose (128, 128) Hessian is the sum of the per-output Hessians. Both ``jacrev`` and ``jacfwd``
-# take ``chunk_size``, which computes the Jacobian that many rows (or columns) at a time and
-# bounds the memory of the batched call; the result is the same.
+# whose (128, 128) Hessian is the sum of the per-output Hessians. ``jacrev`` takes
+# ``chunk_size``, which computes the Jacobian that many rows at a time and bounds the memory of
+# the batched call; the result is the same (``jacfwd`` has no such argument in this release).
 scalar_hessian = hessian(lambda *args: layer(*args).sum(), argnums=2)
 scalar = scalar_hessian(hess_weight, hess_bias, hess_x)
 check_entries("scalar loss", scalar, hessian_reference.sum(dim=0))

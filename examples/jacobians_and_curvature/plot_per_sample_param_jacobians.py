@@ -165,7 +165,7 @@ def timing(m):
 def versus(m, base, name):
     """How m compares with base, worded by the ratio."""
     if m.median <= base.median:
-        return f"{base.median / m.median:.2f}x faster than {name}"
+        return f"is {base.median / m.median:.2f}x faster than {name}"
     return f"takes {m.median / base.median:.2f}x the time of {name}"
 
 
