@@ -7,9 +7,9 @@ the message's first words as PyTorch 2.13 prints them, in alphabetical order. Ea
 triggers the error (or links the one that does), asserts its type and words (``raises``), says
 where it comes from, often inside PyTorch, and checks the fix against a reference (``agree``).
 Errors explained in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section
-and a link; errors about a transform's arguments and outputs (non-scalar losses, ``has_aux``,
-``in_dims``, checkpointing) are in
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`.
+and a link; part 2 has the errors about arguments and outputs,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, part 3 those from
+library code, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`.
 """
 
 import contextlib

@@ -2,15 +2,15 @@
 Troubleshooting, part 2: errors about arguments, outputs and what runs inside a transform
 =========================================================================================
 
-The companion of :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py` (batching rules,
-BatchNorm, tied weights, complex inputs, ``ZeroTensors``), for the errors raised by what a
-transform is given (``in_dims``, tangents, cotangents, keywords, integer inputs, parameter
-names), by what the function returns (a vector, a float, a complex number, an ``aux`` without
-its tuple) and by what runs inside it (``backward()``, checkpointing, custom Functions, NumPy).
-Code that runs but computes something else: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
+The companion of :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`, for the errors
+raised by what a transform is given (``in_dims``, tangents, cotangents, keywords, integer inputs,
+parameter names), by what the function returns (a vector, a float, a complex number, an ``aux``
+without its tuple) and by what runs inside it (``backward()``, checkpointing, custom Functions,
+NumPy). Wrong values without an error: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`;
+errors from library code: :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`.
 Each title begins with the message's first words as PyTorch 2.13 prints them, in alphabetical
-order. Each section triggers the error and asserts its type and words (``fails_with``), says
-where it comes from, and checks the fix against an independent reference (``check``).
+order. Each section triggers the error and asserts its type and words (``fails_with``), says where
+it comes from, and checks the fix against an independent reference (``check``).
 """
 
 import contextlib
