@@ -294,9 +294,9 @@ for kind, dtype, state_dim in cases + ([("LSTM", f32, None)] if onednn else []):
 
 # %%
 # With cuDNN on CUDA the shortcut fails another way: a tensor "doesn't have storage". Probably
-# cuDNN's wrapper reads the weights' storage and data pointers to find its packed weight buffer
-# (``try_get_weight_buf`` in ``aten/src/ATen/native/cudnn/RNN.cpp``) before it dispatches, and
-# ``grad``'s wrapper tensors have none. There the page asserts that message.
+# in Python: given new weights by ``functional_call``, the module re-packs them for cuDNN
+# (``RNNBase.flatten_parameters`` in ``torch/nn/modules/rnn.py``), which reads each weight's
+# ``data_ptr()``, and ``grad``'s wrapper tensors have none. There the page asserts that message.
 gru_shortcut = vmap(grad(loss_of_one(models["GRU"])), in_dims=(None, 0, 0, 0))
 if device.type == "cuda" and torch.backends.cudnn.is_available():
     no_storage = "Cannot access data pointer of Tensor that doesn't have storage"
@@ -443,6 +443,6 @@ plt.show()
 #   ``Tensor[]``. Under ``grad``, ``nn.GRU`` and float64 ``nn.LSTM`` stop because the CPU
 #   cells write per-sample gates in place into gates of the module's own unbatched initial
 #   state; float32 ``nn.LSTM`` on the CPU runs through oneDNN with a fallback warning.
-# * On the CPU a batched initial state is enough (on CUDA, cuDNN raises instead). A
+# * On the CPU a batched initial state is enough (on CUDA, the cuDNN path raises instead). A
 #   "performance drop" warning names an operator that the fallback calls sample by sample.
 # * Ensembles of LSTMs: map the hand-written layer over ``stack_module_state``'s parameters.
