@@ -104,9 +104,9 @@ check_entries("vmap(jacrev), chunk_size=2", batch_jacobians, references)
 # included. Times come from :class:`torch.utils.benchmark.Timer`: the median and the IQR over
 # at least five blocks. Every chunk size's result is checked against the reference again.
 #
-# The larger calls allocate and free tens of MiB each. On Linux with glibc we ask ``malloc``
-# to keep freed memory for reuse, so that a call's time does not depend on what ran before it
-# in the same process (:doc:`/reading-timings` says why).
+# The larger calls allocate and free tens of MiB each. On a CPU under Linux we ask glibc's
+# ``malloc`` to keep freed memory for reuse, so that a call's time does not depend on what ran
+# before it in the same process (:doc:`/reading-timings` says why).
 if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
     libc = ctypes.CDLL(None)
     assert libc.mallopt(-4, 0), "M_MMAP_MAX: serve large blocks from the heap"

@@ -444,7 +444,7 @@ plt.show()
 #   energies while no configuration's energy depends on another's; check a closed-form force.
 # * ``vmap(hessian(energy))`` gives one (N, 3, N, 3) Hessian per configuration; its rows sum to
 #   zero over atoms, and at a minimum of a free cluster it has six zero eigenvalues, not three.
-# * In torch.func an exact Laplacian costs ``d`` products, ``jvp`` of ``grad`` (Taylor mode, which
-#   it lacks, costs less); ``vmap`` holds all ``d × d`` entries at once unless given ``chunk_size``.
+# * In torch.func an exact Laplacian costs ``d`` products, ``jvp`` of ``grad`` (it lacks the
+#   forward Laplacian); ``vmap`` holds all ``d × d`` entries at once unless given ``chunk_size``.
 # * Hutchinson's estimator costs ``S`` products whatever ``d`` is, and is noisy; use ±1 probes,
 #   whose variance ``2 Σ_{i≠j} H_ij²`` leaves out the diagonal, and report its standard error.
