@@ -389,9 +389,9 @@ for i, (name, result) in enumerate(compiled_result.items()):
 
 # %%
 # A short last batch fails the graph's guards and dynamo compiles again (``error_on_recompile``
-# shows it without the cost); past ``recompile_limit`` it runs new shapes eagerly. Here
-# ``dynamic=True`` does not help: compiled with it, the short batch fails a size guard too.
-# Padding the short batch avoids both: a sample's gradient depends on that sample alone.
+# shows it without the cost); past ``recompile_limit`` it runs new shapes eagerly. This loss
+# pins the batch size (probably its class-index targets, as the at-the-limit page finds), so
+# ``dynamic=True`` does not help. Padding avoids both: each sample's gradient is its own.
 short_inputs, short_targets = inputs[:32], targets[:32]
 dynamic_grads = torch.compile(lambda p, x, y: per_sample_grads(p, x, y), dynamic=True)
 dynamic_grads(net_params, inputs, targets)  # a frame of its own, compiled at 64
@@ -447,4 +447,4 @@ plt.show()
 #   per-sample gradient by 1/B.
 # * A performance-drop warning names an operator that ``vmap`` runs in a loop: rewrite it with
 #   batched operators, and time the rewrite against the loop.
-# * Compile around the transforms, not inside them; pad a short batch if it recompiles.
+# * Compile around the transforms, not inside them; pad a short batch if its size recompiles.
