@@ -211,11 +211,11 @@ for name, fn in (("u_x", u_x), ("u_t", u_t), ("u_xx", u_xx)):
 # %%
 # The check: the gradient of the loss with respect to the parameters
 # ------------------------------------------------------------------
-# The optimiser's gradient is where a PINN goes wrong silently: passing detached parameters,
-# say, leaves the residual out of it and training still runs. The reference computes the same
-# loss in float64 with the loop above (``create_graph=True`` keeps each residual
-# differentiable), then one :func:`torch.autograd.grad` for the parameters. Each parameter
-# tensor is compared entry by entry, with ``atol`` scaled to the tensor's largest entry.
+# The optimiser's gradient is where a PINN goes wrong silently: detached copies of the parameters
+# for the residual alone leave it out of the gradient, and training still runs. The reference
+# computes the same loss in float64 with the loop above (``create_graph=True`` keeps each residual
+# differentiable), then one :func:`torch.autograd.grad` for the parameters. Each parameter tensor
+# is compared entry by entry, with ``atol`` scaled to the tensor's largest entry.
 def loss_by_loop(net):
     pde = []
     for x, t in zip(inside_x.tolist(), inside_t.tolist()):
@@ -245,7 +245,7 @@ for (name, p), reference in zip(model.named_parameters(), ref_grads):
 # ---------------------------
 # 300 steps of ``torch.optim.Adam``, with a learning rate that decays along a cosine, bring
 # the network near the solution; ``torch.optim.LBFGS``, a quasi-Newton method, then
-# refines it (a common pairing for PINNs). L-BFGS evaluates the loss several times per step,
+# refines it (a common pairing for PINNs). L-BFGS evaluates the loss several times per iteration,
 # so it takes a ``closure``; every evaluation's loss is kept for the curve.
 history = []
 
