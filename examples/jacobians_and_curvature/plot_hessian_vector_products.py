@@ -3,7 +3,7 @@ Hessian-vector products of a loss
 =================================
 
 The Hessian of a loss in a model's P parameters has P² entries, too many to form for a real
-network; Newton-type optimisers, sharpness measures and influence functions need only ``H v``.
+network; Newton-type optimisers, sharpness measures and influence functions work from ``H v``.
 This page builds it for an MLP's loss three ways from :func:`~torch.func.grad`,
 :func:`~torch.func.jvp` and ``vjp``, checks it against float64 autograd, and costs it against
 one gradient: eager, compiled, and built once at fixed parameters (:func:`~torch.func.linearize`
