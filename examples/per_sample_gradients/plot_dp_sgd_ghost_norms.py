@@ -30,8 +30,11 @@ print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads
 # gradient times input), of squared norm ``‖g‖²·‖a‖²`` (Goodfellow, 2015, "Efficient
 # per-example gradient computations"); the bias gradient is ``g``. Hooks
 # capture ``a`` and ``y``; the gradient of the *summed* loss with respect to ``y`` gives each
-# sample its own ``g``, as each sample's loss depends on its own outputs only. The reference
-# forms all B·P per-sample gradient floats with ``vmap(grad(...))`` (as on
+# sample its own ``g``, as each sample's loss depends on its own outputs only. The formula
+# holds for linear layers only, each called once per forward: ``ghost_norms`` asserts that the
+# calls it hooked cover every parameter exactly once. Other layers need their own formulas
+# (Opacus has them for ``nn.Embedding`` too, and forms per-sample gradients for the rest). The
+# reference forms all B·P per-sample gradient floats with ``vmap(grad(...))`` (as on
 # :ref:`sphx_glr_auto_examples_per_sample_gradients_plot_per_sample_grads.py`).
 model = nn.Sequential(
     nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
@@ -56,17 +59,19 @@ def norms_of(grads):  # vector_norm: no squared copy of the B·P floats
 
 def ghost_norms(net, x, y, keep_graph=True):
     """Each sample's gradient norm; also its losses, layer inputs, output gradients."""
-    seen = []  # (input, output) of every Linear layer, in forward order
+    seen = []  # (layer, input, output) of every Linear call, in forward order
     hooks = [
-        layer.register_forward_hook(lambda _, ins, out: seen.append((ins[0], out)))
+        layer.register_forward_hook(lambda *call: seen.append(call))
         for layer in net.modules()
         if isinstance(layer, nn.Linear)
     ]
     losses = F.cross_entropy(net(x), y, reduction="none")
     for hook in hooks:
         hook.remove()
-    layer_ins = [a.detach() for a, _ in seen]
-    outs = [out for _, out in seen]
+    covered = [id(p) for layer, _, _ in seen for p in (layer.weight, layer.bias)]
+    assert sorted(covered) == sorted(map(id, net.parameters())), "not all Linear, once"
+    layer_ins = [ins[0].detach() for _, ins, _ in seen]
+    outs = [out for _, _, out in seen]
     out_grads = torch.autograd.grad(losses.sum(), outs, retain_graph=keep_graph)
     per_layer = zip(layer_ins, out_grads)
     squared = sum(g.square().sum(1) * (a.square().sum(1) + 1) for a, g in per_layer)
@@ -168,9 +173,10 @@ for length in (tokens, 256):
 # history (no ``create_graph``). Book-keeping (Bu et al., 2023) skips that pass:
 # the clipped weight gradient is ``Σᵢ factorᵢ gᵢ aᵢᵀ / B``, one matrix product per layer of
 # the scaled output gradients and the inputs already held. In practice, Opacus ships ghost
-# clipping: ``PrivacyEngine.make_private(..., grad_sample_mode="ghost")`` returns a loss whose
-# ``backward()`` runs both passes, with these formulas for linear layers
-# (``opacus/grad_sample/linear.py`` in Opacus 1.6).
+# clipping: given a criterion, ``PrivacyEngine.make_private(..., grad_sample_mode="ghost")``
+# returns the module, optimizer, a wrapped criterion and data loader; the loss that the wrapped
+# criterion returns has a ``backward()`` that runs both passes, with these formulas for linear
+# layers (``opacus/grad_sample/linear.py`` in Opacus 1.6).
 
 
 def ghost_clipped_mean(net, x, y, clip_norm):
@@ -226,7 +232,8 @@ for method, clipped_mean in [
 # methods, and the materialised way, ``vmap(grad)`` in float32. The materialised way allocates
 # B·P floats per call, hundreds of MB, so first we ask glibc to keep freed memory for reuse
 # instead of returning it to the kernel (:doc:`/reading-timings` says why); the timer's
-# block-size estimate runs each step first, as a warm-up. Each time is a median over blocks.
+# block-size estimate runs each step first, as a warm-up. Each time is a median over at least
+# five blocks.
 import ctypes
 import platform
 
@@ -256,10 +263,12 @@ for name, step in steps.items():
                  "clip_norm": clip_norm},
         num_threads=torch.get_num_threads(),
     )  # fmt: skip
-    measured = step_times[name] = timer.blocked_autorange(min_run_time=1.0)
+    measured = timer.blocked_autorange(min_run_time=1.0)
+    while len(measured.times) < 5:  # few blocks on a busy machine: top up, ~50 ms each
+        top_up = timer.timeit(max(1, round(0.05 / measured.median)))
+        measured = benchmark.Measurement.merge([measured, top_up])[0]
+    step_times[name] = measured
     spread = f"IQR {measured.iqr * 1e3:.3g} ms, {len(measured.times)} blocks"
-    if len(measured.times) == 1:  # one block has no spread
-        spread = "one block, measured once"  # says so instead
     print(
         f"{name:15s} {measured.median * 1e3:7.2f} ms ({spread}), takes "
         f"{measured.median / step_times['batched'].median:.2f}x one ordinary step's time"
