@@ -192,8 +192,8 @@ print(f"one entry 1% off fails the check (relative norm error {norm_error:.1e})"
 # ``jacfwd``. We count the matrix-product FLOPs with ``torch.utils.flop_counter.FlopCounterMode``
 # in that unit, on Jacobians that keep ``32 · 1024`` entries while their shape runs from wide
 # (1024 inputs, 32 outputs) to tall (32 inputs, 1024 outputs). On a GPU both sides are scaled
-# up by 4, yet at these sizes a GPU's times can stay flat, set by a fixed cost per operation
-# (probably launching it) rather than by the products; the lines after the sweep say which.
+# up by 4, yet its times can stay flat, set by a fixed cost per operation (Python, the
+# dispatcher, a kernel launch) rather than by the products; the lines after the sweep say which.
 scale = 1 if device.type == "cpu" else 4
 tall_inputs, tall_outputs = 32 * scale, 1024 * scale
 engines = {"jacrev": jacrev, "jacfwd": jacfwd}

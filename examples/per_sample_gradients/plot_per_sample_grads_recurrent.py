@@ -376,8 +376,9 @@ assert (errors < 5e-6).all(), errors
 # The GRU classifier's gradients, on ``device``: ``loop`` runs the module once per sample,
 # ``hand-written`` is the recipe, ``vmap`` the module with a batched state (timed on the CPU
 # only: on CUDA it fails) and ``batched`` one ordinary gradient of the batch mean, which gives
-# no per-sample gradients: the ratio to it is their price. The loop pays each operation's
-# fixed cost per step of each sample, the others per step: ratios hold for these sizes only.
+# no per-sample gradients: the ratio to it is their price. On a CPU the loop pays each
+# operation's fixed cost per step of each sample, the others per step (on CUDA the module runs
+# all steps in one cuDNN call, probably): ratios hold for these sizes and this device only.
 gru_dev = copy.deepcopy(models["GRU"]).to(device)
 weights = list(gru_dev.parameters())
 
