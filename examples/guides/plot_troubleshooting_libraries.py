@@ -99,12 +99,11 @@ try:  # the group is destroyed at the end, also when a check fails
     along = sum((g * v).sum() for g, v in zip(first, direction.values()))
     want = dict(zip(direction, torch.autograd.grad(along, net.parameters())))
     near("functional_call on ddp.module", from_module, want, 1e-14)
-    # ddp.module runs none of DDP's code: each rank gets the product for its own batch (to
-    # combine ranks, all_reduce it). Another way, with caveats: forward_sync_buffers=False (it
-    # replaces broadcast_buffers, which now warns at any value) skips the copy, and so stops
-    # sending rank 0's buffers at each forward. It runs, but not with find_unused_parameters=True
-    # nor on static_graph=True's first call: DDP then passes the output through an
-    # autograd.Function of the older style, and part 2's setup_context error follows.
+    # Here and below, each rank gets its own batch's product (functional_call swaps tensors in,
+    # so DDP's gradient hooks never fire): all_reduce it to combine ranks. Or, with caveats,
+    # forward_sync_buffers=False (broadcast_buffers now warns at any value) skips the copy and
+    # stops sending rank 0's buffers at each forward; it fails with find_unused_parameters=True,
+    # and with static_graph=True until one ordinary backward ran (older-style Function: part 2).
     plain = DistributedDataParallel(net, forward_sync_buffers=False)
     unsynced = {k[7:]: t for k, t in hvp_through(plain, direction, batch).items()}
     near("forward_sync_buffers=False", unsynced, want, 1e-14)
@@ -158,7 +157,7 @@ watcher.remove()
 # The fixes, in one vmap call. The input: return what the hook caught as an output, through
 # has_aux, so vmap stacks it. The output's gradient: a forward hook adds a zero "probe" to the
 # layer's output, and grad differentiates with respect to the probe too (argnums). Activations
-# alone need no vmap: on the batched call mlp(xs) a hook sees every sample, the third reference.
+# alone need no vmap: an ordinary batched call computes them for every sample.
 probe = {"zero": 0.0}  # what the forward hook adds: 0 outside the transform
 adder = mlp[2].register_forward_hook(lambda _, args, out: out + probe["zero"])
 
@@ -276,7 +275,8 @@ def normal_log_density(p, x, y, scale=0.5):
 
 validated = vmap(jacrev(normal_log_density), (None, 0, 0))(params, xs, targets)
 near("Independent(Normal), validated", validated["bias"], residual / 0.5**2, 1e-14)
-# With validation on, an invalid sample under vmap raises the .item() message, not ValueError.
+# An invalid sample fails the whole batch; with one-element parameters the ValueError's own
+# message formats a batched scalar, so the .item() message comes instead (a vector: ValueError).
 with must_raise(RuntimeError, "vmap: It looks like you're calling .item() on a Tensor"):
     vmap(lambda s: Normal(0.0, s).log_prob(s))(torch.tensor([1.0, -1.0], **f64))
 
