@@ -99,11 +99,11 @@ try:  # the group is destroyed at the end, also when a check fails
     along = sum((g * v).sum() for g, v in zip(first, direction.values()))
     want = dict(zip(direction, torch.autograd.grad(along, net.parameters())))
     near("functional_call on ddp.module", from_module, want, 1e-14)
-    # Here and below, each rank gets its own batch's product (functional_call swaps tensors in,
-    # so DDP's gradient hooks never fire): all_reduce it to combine ranks. Or, with caveats,
-    # forward_sync_buffers=False (broadcast_buffers now warns at any value) skips the copy and
-    # stops sending rank 0's buffers at each forward; it fails with find_unused_parameters=True,
-    # and with static_graph=True until one ordinary backward ran (older-style Function: part 2).
+    # Each rank gets its own batch's product (functional_call swaps tensors in, so DDP's hooks
+    # never fire): all_reduce it to combine ranks. forward_sync_buffers=False (broadcast_buffers
+    # now warns at any value) also skips the copy, but is no fix: it stops sending rank 0's
+    # buffers, it fails with find_unused_parameters=True or static_graph=True (older-style
+    # Function: part 2), and, we found, in the forward after DDP rebuilds its buckets.
     plain = DistributedDataParallel(net, forward_sync_buffers=False)
     unsynced = {k[7:]: t for k, t in hvp_through(plain, direction, batch).items()}
     near("forward_sync_buffers=False", unsynced, want, 1e-14)
@@ -275,8 +275,8 @@ def normal_log_density(p, x, y, scale=0.5):
 
 validated = vmap(jacrev(normal_log_density), (None, 0, 0))(params, xs, targets)
 near("Independent(Normal), validated", validated["bias"], residual / 0.5**2, 1e-14)
-# An invalid sample fails the whole batch; with one-element parameters the ValueError's own
-# message formats a batched scalar, so the .item() message comes instead (a vector: ValueError).
+# One invalid batch element fails the whole batch. Where the ValueError's message prints a
+# tensor with no dimensions per sample, it calls .item(), and that message comes instead.
 with must_raise(RuntimeError, "vmap: It looks like you're calling .item() on a Tensor"):
     vmap(lambda s: Normal(0.0, s).log_prob(s))(torch.tensor([1.0, -1.0], **f64))
 
