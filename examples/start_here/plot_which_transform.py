@@ -16,7 +16,7 @@ or a closed form) and names the page that teaches it; at the end, all are timed 
 # Two facts explain most recipes below. ``vmap(f)(x)`` computes what stacking ``f(x_i)`` over
 # ``x.unbind(0)`` would, in one call. ``jacrev`` builds a Jacobian from one vector-Jacobian
 # product per output (row), ``jacfwd`` from one Jacobian-vector product per input (column),
-# all rows or columns in one ``vmap``-ed call; their ``chunk_size=`` bounds the memory.
+# all rows or columns in one ``vmap``-ed call; ``jacrev``'s ``chunk_size=`` bounds the memory.
 # Other questions have pages of their own: :doc:`parameter subsets and mixed derivatives
 # <../models_as_functions/plot_choosing_what_to_differentiate>`, :doc:`GRU and LSTM
 # <../per_sample_gradients/plot_per_sample_grads_recurrent>`, :doc:`transformers
@@ -411,12 +411,12 @@ for slow, fast in pairs:  # words chosen by the ratio, which may come out either
 # %%
 # The counts say which mode to pick for a Jacobian: the one that moves fewer vectors does less
 # arithmetic, by the factor printed; at these sizes fixed costs per call can decide the time
-# instead (the Jacobians page finds the crossover). A loop of ``jvp`` runs three passes per
+# instead (the Jacobians page looks for a crossover). A loop of ``jvp`` runs three passes per
 # tangent (primal, tangent, zero tangent), ``vmap(jvp)`` the primal and zero ones once for all.
 # ``linearize`` runs four passes to build, three on its first call (torch.fx's constant
-# folding), one on each later call, which its rows count and time: end to end, ``vmap(jvp)``
-# for tangents known together, ``linearize`` for tangents that come one at a time. The figure
-# shows the times on a log axis, each bar coloured by the transform doing the work.
+# folding), one on each later call; its rows time the later calls only, and the build also
+# traces the function, which costs many ``jvp``-s: it pays for tangents that come one at a time
+# only when they are many. Known together: ``vmap(jvp)``. The figure's bars use a log axis.
 METHOD_COLORS = {
     "vmap": "#009E73", "jacfwd": "#E69F00", "jacrev": "#0072B2", "hessian": "#56B4E9",
     "forward-over-reverse": "#EE3377", "loop": "#D55E00", "linearize": "#CC3311",
@@ -446,5 +446,5 @@ plt.show()
 # - Few inputs, many outputs: ``jacfwd``; few outputs: ``jacrev``. The FLOPs follow the vector
 #   count; the time follows them only where the arithmetic outweighs fixed costs per call.
 # - A Hessian-vector product is ``jvp(grad(f), (p,), (v,))``, with no Hessian formed.
-# - ``linearize`` pays passes up front, then tangent products alone; known tangents: ``vmap(jvp)``.
+# - ``linearize``: a build (passes, tracing), then cheap products; ``vmap(jvp)`` for known tangents.
 # - Count FLOPs with a dispatch mode, below the transforms, and check the counts on known cases.
