@@ -415,7 +415,7 @@ for slow, fast in pairs:  # words chosen by the ratio, which may come out either
 # tangent (primal, tangent, zero tangent), ``vmap(jvp)`` the primal and zero ones once for all.
 # ``linearize`` runs four passes to build, three on its first call (torch.fx's constant
 # folding), one on each later call; its rows time the later calls only, and the build also
-# traces the function, which costs many ``jvp``-s: it pays for tangents that come one at a time
+# traces the function, probably worth many ``jvp``-s: it pays for tangents that come one at a time
 # only when they are many. Known together: ``vmap(jvp)``. The figure's bars use a log axis.
 METHOD_COLORS = {
     "vmap": "#009E73", "jacfwd": "#E69F00", "jacrev": "#0072B2", "hessian": "#56B4E9",
