@@ -7,9 +7,9 @@ the message's first words as PyTorch 2.13 prints them, in alphabetical order. Ea
 triggers the error (or links the one that does), asserts its type and words (``raises``), says
 where it comes from, often inside PyTorch, and checks the fix against a reference (``agree``).
 Errors explained in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section
-and a link; part 2 has the errors about arguments and outputs,
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, part 3 those from
-library code, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`.
+and a link; part 2, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, has
+those about arguments and outputs; part 3, from library code, is
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`.
 """
 
 import contextlib
@@ -72,11 +72,13 @@ net, batch = net.to(**f64), torch.randn(6, 3, **f64)
 with raises(RuntimeError, "would mutate a captured Tensor"):
     jacrev(net)(batch)
 # The fix the message suggests: pass the buffers in, as an argument not differentiated. They
-# are updated once per call (the running mean: momentum 0.1 times the batch mean), and each
-# output depends on every sample, through the batch statistics (checked by autograd.grad).
+# are updated once per call (the running mean to 0.9 times itself plus 0.1 times the batch mean),
+# and each output depends on every sample, through the batch statistics (checked by autograd).
+net[1].running_mean.normal_()  # as if from earlier batches
 state = {name: t.detach().clone() for name, t in net.state_dict().items()}
 jac = jacrev(lambda s, x: functional_call(net, s, (x,)), argnums=1)(state, batch)
-agree("running mean", state["1.running_mean"], 0.1 * net[0](batch).mean(0), 1e-14)
+want = 0.9 * net[1].running_mean + 0.1 * net[0](batch).mean(0)
+agree("running mean", state["1.running_mean"], want, 1e-14)
 leaf = batch.clone().requires_grad_()
 rows = [torch.autograd.grad(y, leaf, retain_graph=True)[0] for y in net(leaf)[:, 0]]
 agree("train-mode Jacobian", jac[:, 0], torch.stack(rows), 1e-14)
@@ -115,9 +117,9 @@ def residuals(w, x, as_float=True):  # x an argument: as a global, dynamo's guar
 
 with raises(RuntimeError, "unsupported type <class 'float'>"):
     jacrev(residuals, has_aux=True)(w, points)
-# The fix: return the tensor, call .item() outside. Compiled around the transform, that is one
-# graph with no graph break in dynamo's counters (backend="aot_eager" captures graphs without
-# generating code, to keep this page fast). The reference: (1 − tanh²(x·w)) x.
+# The fix: return the tensor, call .item() outside. Compiled around the transform: one graph, no
+# break in dynamo's counters (``aot_eager`` traces with AOTAutograd, then runs the graphs as Python
+# without Inductor's code generation: a fast build). The reference: (1 − tanh²(x·w)) x.
 counters.clear()
 compiled = torch.compile(jacrev(residuals, has_aux=True), backend="aot_eager")
 jac, loss = compiled(w, points, False)
@@ -229,10 +231,9 @@ agree("fixed-length counts", counts, want, 1e-16)
 # %%
 # The differentiated Tensor at index 0 appears to not have been used in the graph
 # -------------------------------------------------------------------------------
-# A ``RuntimeError`` when ``forward`` reads a parameter from a Python list filled in
-# ``__init__``: ``functional_call`` swaps registered parameters, not the list, so the tensor
-# passed in goes unused (:func:`~torch.func.grad` returns zeros). Reading
-# ``self.parameters()`` in ``forward`` (pytorch#92295) works in 2.13.
+# A ``RuntimeError`` when ``forward`` reads a parameter from a Python list made in ``__init__``:
+# ``functional_call`` swaps registered parameters, not the list, so the tensor passed goes unused
+# (``grad`` returns zeros). Reading ``self.parameters()`` in ``forward`` (pytorch#92295) works.
 
 
 class Gated(nn.Module):
@@ -298,13 +299,13 @@ with raises(RuntimeError, "vmap: inplace arithmetic"):
 # A ``RuntimeError`` from ``if`` or ``while`` on a tensor (:ref:`pitfalls
 # <sphx_glr_auto_examples_guides_plot_pitfalls.py>`, `section 2
 # <plot_pitfalls.html#item-data-dependent-control-flow-and-leaving-torch>`__), in torch too:
-# :func:`~torch.nn.functional.gaussian_nll_loss` tests ``torch.any(var < 0)``, so it fails
-# whenever the variance is batched.
+# :func:`~torch.nn.functional.gaussian_nll_loss` tests ``any(var < 0)``: a batched ``var`` fails.
 with raises(RuntimeError, "data-dependent control flow"):
     vmap(F.gaussian_nll_loss)(*torch.rand(3, 5, 4, **f64))
 # So does a solver that stops on its residual, here Newton's method for x³ + x = a. The fix: a
-# fixed number of steps, torch.where freezing each converged sample. The references: the while
-# loop per sample, and dx/da = 1 / (3x² + 1) (implicit function theorem) for the derivative.
+# fixed number of steps, torch.where freezing each converged sample, then one step more for all:
+# a frozen sample keeps the derivative of its last step, taken farther from the root. The
+# references: the while loop per sample; dx/da = 1 / (3x² + 1) (implicit function theorem).
 
 
 def newton(a, tol=1e-12, steps=None):
@@ -314,7 +315,7 @@ def newton(a, tol=1e-12, steps=None):
     for _ in range(steps or 0):
         r = x**3 + x - a
         x = torch.where(r.abs() > tol, x - r / (3 * x**2 + 1), x)
-    return x
+    return x - (x**3 + x - a) / (3 * x**2 + 1)  # one more step, for every sample
 
 
 rights = 5 * torch.randn(6, **f64)
@@ -323,7 +324,7 @@ with raises(RuntimeError, "data-dependent control flow"):
 roots = torch.stack([newton(a) for a in rights])
 agree("Newton, 40 steps + torch.where", vmap(newton)(rights, steps=40), roots, 1e-15)
 slopes = vmap(grad(newton))(rights, steps=40)
-agree("Newton, derivative", slopes, 1 / (3 * roots**2 + 1), 1e-10)
+agree("Newton, derivative", slopes, 1 / (3 * roots**2 + 1), 1e-14)
 # A trap in torch.where: the branch not taken is still differentiated, and a NaN there (0 times
 # an infinite slope) poisons the gradient. Keep both branches finite: where the input as well.
 sqrt_or_zero = lambda x: torch.where(x > 0, x.sqrt(), 0.0)  # noqa: E731
@@ -357,10 +358,9 @@ with raises(RuntimeError, "can output dynamic shape"):
 # vmap: We do not support batching operators that can support dynamic shape ...
 # -----------------------------------------------------------------------------
 # A ``RuntimeError`` ending "Attempting to batch over indexing with a boolean mask", here from
-# inside ``torch.distributions.kl_divergence`` of two ``Categorical``: it sets the terms
-# where ``q`` is zero to infinity through a boolean mask. The fix: the KL written with
-# ``log_softmax``; its per-sample gradients are checked against ``autograd.grad`` of torch's KL
-# on the whole batch, without ``vmap``.
+# inside ``torch.distributions.kl_divergence`` of two ``Categorical``: it sets the terms where
+# ``q`` is zero to infinity through a boolean mask. The fix: the KL written with ``log_softmax``,
+# its per-sample gradients checked against ``autograd.grad`` of torch's KL on the whole batch.
 p, q = torch.randn(2, 5, 4, **f64)  # logits of two distributions, per sample
 with raises(RuntimeError, "indexing with a boolean mask"):
     vmap(lambda a, b: kl_divergence(Categorical(logits=a), Categorical(logits=b)))(p, q)
@@ -407,7 +407,7 @@ agree("jvp(grad), zero target tangent", tangent, want, 1e-14)
 # --------------------------------------------------
 # Forward mode and ``backward()`` do mix, with no error in 2.13: a training penalty on a
 # Jacobian-vector product, by :func:`~torch.func.jvp` of the model, backpropagates like any
-# loss. The reference: a central difference along a random step of the first weight.
+# loss. The reference: central differences along each entry of the first weight.
 smooth = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3)).to(**f64)
 probe, direction = torch.randn(2, 6, 3, **f64)
 
@@ -418,11 +418,11 @@ def penalised(p):
 
 
 penalised({}).backward()  # {}: the model's own parameters
-first, nudge = smooth[0].weight, 3e-6 * torch.randn(8, 3, **f64)
-with torch.no_grad():
-    ends = [penalised({"0.weight": first + s * nudge}) for s in (1, -1)]
-want = (ends[0] - ends[1]) / 2  # the change in the loss along the step
-agree("jvp penalty, backward()", (first.grad * nudge).sum(), want, 2e-9)
+first, steps = smooth[0].weight, 1e-5 * torch.eye(24, **f64).view(24, 8, 3)
+with torch.no_grad():  # a step along each entry, each way
+    ends = [penalised({"0.weight": first + s * e}) for s in (1, -1) for e in steps]
+want = (torch.stack(ends[:24]) - torch.stack(ends[24:])).view(8, 3) / 2e-5
+agree("jvp penalty, backward()", first.grad, want, 5e-9)
 
 # %%
 # Every fix against its reference

@@ -62,7 +62,7 @@ def near(fix, got, want, bound):
         assert error < bound, f"{fix} {key}: error {error:.1e} >= {bound:.0e}"
         worst = max(worst, error)
     margin = f", {bound / worst:.0f}x under it" if worst else ", exact"
-    print(f"  fix, {fix}: error {worst:.1e} (bound {bound:.0e}{margin})")
+    print(f"  checked, {fix}: error {worst:.1e} (bound {bound:.0e}{margin})")
 
 
 # %%
@@ -106,7 +106,7 @@ try:  # the group is destroyed at the end, also when a check fails
     # Function: part 2), and, we found, in the forward after DDP rebuilds its buckets.
     plain = DistributedDataParallel(net, forward_sync_buffers=False)
     unsynced = {k[7:]: t for k, t in hvp_through(plain, direction, batch).items()}
-    near("forward_sync_buffers=False", unsynced, want, 1e-14)
+    near("forward_sync_buffers=False, before any backward", unsynced, want, 1e-14)
     for extra in ({"find_unused_parameters": True}, {"static_graph": True}):
         ddp = DistributedDataParallel(net, forward_sync_buffers=False, **extra)
         with must_raise(RuntimeError, "it must override the setup_context"):
@@ -337,7 +337,7 @@ twice["jacrev(jacrev), guarded"] = jacrev(jacrev(guarded))(spot)
 for name, second in twice.items():
     missed = (second + pair_block - fixed).abs().max().item()
     print(f"{name} + the pair block = the fix's Hessian, to {missed:.0e}")
-    assert not second.isnan().any() and missed < 1e-15, (name, missed)
+    assert not second.isnan().any() and missed < 1e-13, (name, missed)
 panels = {
     "hessian, via the norm: wrong": forward_over_reverse,
     "jacrev(jacrev), via the norm: NaN": reverse_twice,
