@@ -361,8 +361,9 @@ torch.testing.assert_close(by_hand, torch.full_like(batch, 2.0))
 
 # %%
 # A ``backward`` decorated with ``once_differentiable`` runs under ``no_grad``: what it returns
-# carries no graph. Nested ``grad`` then returns a second derivative of 0, silently; plain autograd
-# raises, naming no decorator. Undecorated, ``NumpyTanh`` gave ``hessian`` ``−2 tanh (1 − tanh²)``.
+# carries no graph. Reverse over reverse (nested ``grad``) then returns a second derivative of 0,
+# silently; plain autograd raises, naming no decorator. ``hessian`` (forward over reverse) is not
+# affected: ``no_grad`` does not stop forward mode.
 
 
 class TanhOnce(NumpyTanh):  # its vmap rule runs NumpyTanh, below the grad levels
@@ -443,8 +444,7 @@ plt.show()
 # * ``vmap`` and ``jacfwd`` need a ``vmap`` staticmethod or ``generate_vmap_rule = True``; a
 #   rule by hand brings each input's batch dimension first (``in_dims`` is ``None`` for
 #   non-tensors). Forward mode needs a ``jvp`` staticmethod.
-# * Write ``backward`` in PyTorch operators, without ``once_differentiable``: nested ``grad``
-#   otherwise returns a zero second derivative.
+# * Write ``backward`` in PyTorch operators: ``once_differentiable`` zeroes nested ``grad``.
 # * Check with ``gradcheck(..., check_forward_ad=True)`` and ``gradgradcheck`` in float64.
 # * ``torch.library.custom_op`` suits ``torch.compile``, ``vmap`` and ``backward()``; in this
 #   release ``grad`` refuses it and ``jvp`` through it returns zeros, silently.
