@@ -360,10 +360,9 @@ by_hand = vmap(grad(lambda t: DoubleInPlaceByHand.apply(t.clone()).sum()))(batch
 torch.testing.assert_close(by_hand, torch.full_like(batch, 2.0))
 
 # %%
-# A ``backward`` decorated with ``once_differentiable`` runs under ``no_grad``: what it returns
-# carries no graph. Reverse over reverse (nested ``grad``) then returns a second derivative of 0,
-# silently; plain autograd raises, naming no decorator. ``hessian`` (forward over reverse) is not
-# affected: ``no_grad`` does not stop forward mode.
+# A ``backward`` decorated with ``once_differentiable`` runs under ``no_grad``: its result carries
+# no graph, so nested ``grad`` returns a second derivative of 0, silently (plain autograd raises,
+# naming no decorator); ``hessian`` stays right: ``no_grad`` does not stop forward mode.
 
 
 class TanhOnce(NumpyTanh):  # its vmap rule runs NumpyTanh, below the grad levels
@@ -372,6 +371,7 @@ class TanhOnce(NumpyTanh):  # its vmap rule runs NumpyTanh, below the grad level
 
 second = vmap(grad(grad(TanhOnce.apply)))(x)
 torch.testing.assert_close(vmap(grad(TanhOnce.apply))(x), exact_first)
+torch.testing.assert_close(vmap(hessian(TanhOnce.apply))(x), exact_second)
 print(f"once_differentiable, grad(grad): largest |second derivative| {second.abs().max():.2f}"
       f", where −2 tanh (1 − tanh²) reaches {exact_second.abs().max():.2f}")  # fmt: skip
 assert (second == 0).all() and exact_second.abs().max() > 0.5
