@@ -360,9 +360,9 @@ by_hand = vmap(grad(lambda t: DoubleInPlaceByHand.apply(t.clone()).sum()))(batch
 torch.testing.assert_close(by_hand, torch.full_like(batch, 2.0))
 
 # %%
-# A ``backward`` decorated with ``once_differentiable`` runs under ``no_grad``: its result carries
-# no graph, so nested ``grad`` returns a second derivative of 0, silently (plain autograd raises,
-# naming no decorator); ``hessian`` stays right: ``no_grad`` does not stop forward mode.
+# A ``backward`` under ``once_differentiable`` runs in ``no_grad``: nested ``grad`` takes its
+# result as a constant and silently drops every term through it (here all: 0; plain autograd may
+# raise, or not). ``hessian`` stays right: ``no_grad`` does not stop forward mode.
 
 
 class TanhOnce(NumpyTanh):  # its vmap rule runs NumpyTanh, below the grad levels
@@ -444,7 +444,7 @@ plt.show()
 # * ``vmap`` and ``jacfwd`` need a ``vmap`` staticmethod or ``generate_vmap_rule = True``; a
 #   rule by hand brings each input's batch dimension first (``in_dims`` is ``None`` for
 #   non-tensors). Forward mode needs a ``jvp`` staticmethod.
-# * Write ``backward`` in PyTorch operators: ``once_differentiable`` zeroes nested ``grad``.
+# * Write ``backward`` in PyTorch operators: ``once_differentiable`` makes nested ``grad`` wrong.
 # * Check with ``gradcheck(..., check_forward_ad=True)`` and ``gradgradcheck`` in float64.
 # * ``torch.library.custom_op`` suits ``torch.compile``, ``vmap`` and ``backward()``; in this
 #   release ``grad`` refuses it and ``jvp`` through it returns zeros, silently.
