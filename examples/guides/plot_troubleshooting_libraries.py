@@ -228,12 +228,12 @@ for op in (distances, nn.functional.pdist, zeta):
 # %%
 # vmap: It looks like you're either (1) calling .item() on a Tensor or (2) ...
 # ----------------------------------------------------------------------------
-# A ``RuntimeError`` from argument validation in ``torch.distributions``: a constraint's check
-# runs a Python ``if`` on the parameters, here ``MultivariateNormal``'s positive-definite test
-# of a per-sample covariance, inside ``vmap(jacrev(log_prob))`` for per-sample Jacobians with
-# respect to a network's weights. (``Normal`` and ``Independent`` check with an operator that
-# ``vmap`` supports: they run in 2.13.) The fix: ``validate_args=False``, for one distribution,
-# or ``Distribution.set_default_validate_args(False)`` for all.
+# A ``RuntimeError`` from argument validation in ``torch.distributions``: a constraint's check runs
+# a Python ``if`` on the parameters, here ``MultivariateNormal``'s positive-definite test of a
+# per-sample covariance, in ``vmap(jacrev(log_prob))`` for per-sample weight Jacobians (``Normal``
+# passes: its check batches). The fix: ``validate_args=False``, or for all distributions
+# ``Distribution.set_default_validate_args(False)``. The page asks for validation explicitly:
+# once ``torch.compile`` has run in a process, torch's default is off.
 head = nn.Linear(3, 2).to(**f64)
 params = {name: p.detach() for name, p in head.named_parameters()}
 targets, roots = torch.randn(8, 2, **f64), torch.randn(8, 2, 2, **f64)
@@ -245,15 +245,14 @@ def log_density(p, x, y, cov, validate=None):
     return MultivariateNormal(mean, cov, validate_args=validate).log_prob(y)
 
 
-mapped = (None, 0, 0, 0)
+mapped, validated_call = (None, 0, 0, 0), (params, xs, targets, covariances, True)
 with must_raise(RuntimeError, "vmap: It looks like you're either (1) calling .item()"):
-    vmap(jacrev(log_density), mapped)(params, xs, targets, covariances)
+    vmap(jacrev(log_density), (*mapped, None))(*validated_call)
 # Under a plain vmap, with no jacrev, the same test raises part 1's other message, "vmap: It
 # looks like you're attempting to use a Tensor in some data-dependent control flow".
 with must_raise(RuntimeError, "use a Tensor in some data-dependent control flow"):
-    vmap(log_density, mapped)(params, xs, targets, covariances)
-unvalidated = vmap(jacrev(log_density), (*mapped, None))
-jacobians = unvalidated(params, xs, targets, covariances, False)
+    vmap(log_density, (*mapped, None))(*validated_call)
+jacobians = vmap(jacrev(log_density), (*mapped, None))(*validated_call[:4], False)
 previous = torch.distributions.Distribution._validate_args  # torch's default: __debug__
 torch.distributions.Distribution.set_default_validate_args(False)
 try:
@@ -277,8 +276,9 @@ validated = vmap(jacrev(normal_log_density), (None, 0, 0))(params, xs, targets)
 near("Independent(Normal), validated", validated["bias"], residual / 0.5**2, 1e-14)
 # One invalid batch element fails the whole batch. Where the ValueError's message prints a
 # tensor with no dimensions per sample, it calls .item(), and that message comes instead.
+one_negative = torch.tensor([1.0, -1.0], **f64)
 with must_raise(RuntimeError, "vmap: It looks like you're calling .item() on a Tensor"):
-    vmap(lambda s: Normal(0.0, s).log_prob(s))(torch.tensor([1.0, -1.0], **f64))
+    vmap(lambda s: Normal(0.0, s, validate_args=True).log_prob(s))(one_negative)
 
 # %%
 # (No error) hessian is wrong where two points coincide; jacrev(jacrev) gives NaN
