@@ -433,7 +433,7 @@ METHOD_COLORS = {"loop": "#D55E00", "vmap": "#009E73"}
 fig, ax = plt.subplots(figsize=(6, 1.8), layout="constrained")
 medians = [m.median * 1e3 for m in hist_times.values()]
 ax.barh(["loop (histc)", "scatter_add"], medians, color=list(METHOD_COLORS.values()))
-ax.set(xlabel=f"median time on {device.type} (ms)", title=f"{len(counts)} histograms")
+ax.set(xlabel=f"median ms, {device.type}", title=f"{len(counts)} histograms, vmap")
 plt.show()
 
 # %%
