@@ -228,12 +228,11 @@ for op in (distances, nn.functional.pdist, zeta):
 # %%
 # vmap: It looks like you're either (1) calling .item() on a Tensor or (2) ...
 # ----------------------------------------------------------------------------
-# A ``RuntimeError`` from argument validation in ``torch.distributions``: a constraint's check runs
-# a Python ``if`` on the parameters, here ``MultivariateNormal``'s positive-definite test of a
-# per-sample covariance, in ``vmap(jacrev(log_prob))`` for per-sample weight Jacobians (``Normal``
-# passes: its check batches). The fix: ``validate_args=False``, or for all distributions
-# ``Distribution.set_default_validate_args(False)``. The page asks for validation explicitly:
-# once ``torch.compile`` has run in a process, torch's default is off.
+# A ``RuntimeError`` from validation in ``torch.distributions``: a constraint's check runs a Python
+# ``if``, here ``MultivariateNormal``'s positive-definite test of a per-sample covariance, in
+# ``vmap(jacrev(log_prob))`` (``Normal`` passes: its check batches). The fix:
+# ``validate_args=False``, or ``Distribution.set_default_validate_args(False)`` for all. The page
+# asks for validation explicitly: once ``torch.compile`` has run in a process, it is off.
 head = nn.Linear(3, 2).to(**f64)
 params = {name: p.detach() for name, p in head.named_parameters()}
 targets, roots = torch.randn(8, 2, **f64), torch.randn(8, 2, 2, **f64)
@@ -269,7 +268,8 @@ near("set_default_validate_args(False)", unchecked, want, 1e-14)
 
 
 def normal_log_density(p, x, y, scale=0.5):
-    return Independent(Normal(functional_call(head, p, (x,)), scale), 1).log_prob(y)
+    normal = Normal(functional_call(head, p, (x,)), scale, validate_args=True)
+    return Independent(normal, 1).log_prob(y)
 
 
 validated = vmap(jacrev(normal_log_density), (None, 0, 0))(params, xs, targets)
