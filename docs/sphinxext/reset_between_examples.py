@@ -51,6 +51,9 @@ def reset_state(gallery_conf, fname):
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = True
     torch.compiler.reset()  # compiled code and dynamo's shape history, as in a fresh process
+    # Dynamo's first compile turns distributions' argument validation off for the whole process
+    # (TorchPatcher in torch/_dynamo/eval_frame.py); a fresh interpreter starts with it on.
+    torch.distributions.Distribution.set_default_validate_args(__debug__)
     plt.close("all")
     matplotlib.rcdefaults()
     gc.collect()  # the last example's tensors, if a cycle still holds them
