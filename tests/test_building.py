@@ -297,7 +297,7 @@ def test_reproduce_puts_each_ratio_of_a_page_beside_its_fresh_runs(site):
     assert result.returncode == 0, result.stderr[-3000:]
     page = site.page(example_path(f"{example}.py")).read_text()
     page_ratios = re.findall(r"(\d+\.\d+)x faster than the loop", page)
-    assert len(page_ratios) == 3  # sum trick and vmap for Jacobians, vmap for Hessians
+    assert len(page_ratios) == 4  # sum trick, vmap, vmap(jacfwd); vmap for Hessians
     rows = [
         line for line in result.stdout.splitlines() if "faster than the loop" in line
     ]
