@@ -6,9 +6,8 @@ After :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py` and
 :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, what goes wrong inside
 code you did not write: ``DistributedDataParallel``, module hooks, operators without a
 forward-mode formula, ``torch.distributions``. Titles begin with the message's first words as
-PyTorch 2.13 prints them, in alphabetical order; three problems that raise nothing follow, titled
-by what you see. Each entry triggers the problem and asserts it (``must_raise``), gives the cause,
-and checks the fix against an independent reference (``near``).
+PyTorch 2.13 prints them, in alphabetical order; three problems that raise nothing follow. Each
+entry asserts the problem (``must_raise``), and checks the fix against a reference (``near``).
 """
 
 import os
@@ -52,10 +51,11 @@ def must_raise(error_class, first_words):
 
 def near(fix, got, want, bound):
     """Per tensor (a dict is checked key by key): worst error / largest reference entry."""
-    pairs = got.items() if isinstance(got, dict) else [("", got)]
+    got = got if isinstance(got, dict) else {"": got}
     want = want if isinstance(want, dict) else {"": want}
+    assert got.keys() == want.keys(), (fix, got.keys(), want.keys())
     worst = 0.0
-    for key, tensor in pairs:
+    for key, tensor in got.items():
         assert tensor.shape == want[key].shape, (fix, key, tensor.shape)
         gap = (tensor.detach().cpu() - want[key].detach().cpu()).abs().max()
         error = (gap / want[key].abs().max().cpu()).item()
@@ -99,11 +99,10 @@ try:  # the group is destroyed at the end, also when a check fails
     along = sum((g * v).sum() for g, v in zip(first, direction.values()))
     want = dict(zip(direction, torch.autograd.grad(along, net.parameters())))
     near("functional_call on ddp.module", from_module, want, 1e-14)
-    # Each rank gets its own batch's product (functional_call swaps tensors in, so DDP's hooks
-    # never fire): all_reduce it to combine ranks. forward_sync_buffers=False (broadcast_buffers
-    # now warns at any value) also skips the copy, but is no fix: it stops sending rank 0's
-    # buffers, it fails with find_unused_parameters=True or static_graph=True (older-style
-    # Function: part 2), and, we found, in the forward after DDP rebuilds its buckets.
+    # Each rank gets its own batch's product (DDP's hooks never fire): all_reduce (a sum), then
+    # divide by the world size. forward_sync_buffers=False skips the copy too, in every forward,
+    # and fails with find_unused_parameters=True or static_graph=True (part 2's older-style
+    # Function) and in the forward after DDP rebuilds its buckets, after the first backward.
     plain = DistributedDataParallel(net, forward_sync_buffers=False)
     unsynced = {k[7:]: t for k, t in hvp_through(plain, direction, batch).items()}
     near("forward_sync_buffers=False, before any backward", unsynced, want, 1e-14)
@@ -123,8 +122,8 @@ finally:
 # Either your tensor may have escaped from inside a function being vmapped ...
 # ----------------------------------------------------------------------------
 # A ``RuntimeError`` from a tensor that a module hook kept under ``vmap``, used after the call.
-# Inside, the hook sees one sample's shape, ``(6,)``, not the batch's: the tensor is ``vmap``'s
-# per-sample wrapper, dead once the call returns: its shape still reads, but operations raise.
+# Inside, the hook sees one sample's shape, ``(6,)``, not the batch's: the tensor is a transform's
+# wrapper (grad's, around vmap's), dead once the call returns: its shape reads, operations raise.
 mlp = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).to(**f64)
 weights = {name: p.detach() for name, p in mlp.named_parameters()}
 xs, ys = torch.randn(8, 3, **f64), torch.randn(8, 2, **f64)
@@ -208,7 +207,7 @@ for op in (distances, nn.functional.pdist, zeta):
     with must_raise(NotImplementedError, "Trying to use forward AD with"):
         jvp(op, (dots,), (dots,))
 # The fix for igamma: reverse over reverse, jacrev(jacrev(f)), which needs backward formulas
-# only, and igamma has them to second order. The reference: for F = P(a, x) at x = rate·t,
+# only; igamma has them to second order in x (not in the shape). For F = P(a, x) at x = rate·t,
 # d² log F / d rate² = t² (p'/F − p²/F²), with the Gamma density p = x^(a−1) e^(−x) / Γ(a) and
 # p' = p ((a − 1)/x − 1); the rates do not mix.
 x = rates * waits
@@ -217,13 +216,16 @@ density = torch.exp((shapes - 1) * x.log() - x - torch.lgamma(shapes))
 slope = density * ((shapes - 1) / x - 1)
 by_hand = torch.diag(waits**2 * (slope / cdf - density**2 / cdf**2))
 near("jacrev(jacrev(f))", jacrev(jacrev(log_cdf))(rates), by_hand, 1e-14)
-# Not for the other three: cdist and pdist have no second backward, zeta no derivative in its
-# first argument at all. For them, write the function out in operators that have the formulas
-# (as the Hessian section below does with distances), or wrap it in an autograd.Function with a
-# jvp staticmethod: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
+# Not for the other three: zeta has no derivative in its first argument, pdist and cdist (on
+# this path) no second backward; cdist's matrix-product path, the default above 25 rows a side,
+# has one. Or write the function out in operators with formulas (as the Hessian section below
+# does), or an autograd.Function: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
 for op in (distances, nn.functional.pdist, zeta):
     with must_raise(NotImplementedError, "the derivative for"):
         jacrev(jacrev(op))(dots)
+by_mm = lambda p: torch.cdist(p, p + 1, compute_mode="use_mm_for_euclid_dist")  # noqa: E731
+written_out = lambda p: (p[:, None] - p[None] - 1).square().sum(-1).sqrt()  # noqa: E731
+near("cdist by mm", jacrev(jacrev(by_mm))(dots), hessian(written_out)(dots), 1e-14)
 
 # %%
 # vmap: It looks like you're either (1) calling .item() on a Tensor or (2) ...
@@ -309,8 +311,7 @@ norm_slope = grad(torch.linalg.vector_norm)(torch.zeros(2, **f64))
 print(f"gradient of the norm at 0: {norm_slope.tolist()}")
 assert not norm_slope.any()
 # The reference: central second differences of the energy's values, no derivative taken.
-h = 1e-4
-step = h * torch.eye(6, **f64)
+h, step = 1e-4, 1e-4 * torch.eye(6, **f64)
 shifted = [spot + a * step[:, None] + b * step[None] for a in (1, -1) for b in (1, -1)]
 values = [pair_energy(s) for s in shifted]  # each (6, 6): one per pair of coordinates
 by_values = (values[0] - values[1] - values[2] + values[3]) / (4 * h**2)
@@ -337,7 +338,7 @@ twice["jacrev(jacrev), guarded"] = jacrev(jacrev(guarded))(spot)
 for name, second in twice.items():
     missed = (second + pair_block - fixed).abs().max().item()
     print(f"{name} + the pair block = the fix's Hessian, to {missed:.0e}")
-    assert not second.isnan().any() and missed < 1e-13, (name, missed)
+    assert not second.isnan().any() and missed < 1e-14, (name, missed)
 panels = {
     "hessian, via the norm: wrong": forward_over_reverse,
     "jacrev(jacrev), via the norm: NaN": reverse_twice,
@@ -361,8 +362,7 @@ plt.show()
 # :class:`~torch.no_grad` stops reverse mode only (its documentation says so: forward mode goes
 # on), so ``jacrev`` treats what it computes as a constant and ``jacfwd`` differentiates it.
 # Here a vector divided by its norm, the norm computed under ``no_grad``. How ``grad`` treats
-# ``no_grad`` inside and around it: :ref:`pitfalls
-# <sphx_glr_auto_examples_guides_plot_pitfalls.py>`, `section 11
+# ``no_grad`` inside and around it: `pitfalls, section 11
 # <plot_pitfalls.html#torch-no-grad-inside-the-function-and-around-grad>`__.
 
 
