@@ -4,11 +4,11 @@ Extending ``torch.func``: custom autograd Functions under transforms
 
 When a function cannot be written with PyTorch operators (it calls NumPy or a C library, or its
 gradient needs a formula autograd would not find), a custom :class:`torch.autograd.Function`
-supplies the forward and the derivatives by hand. Under ``grad``, ``vmap``, ``jvp``, ``jacrev``,
-``jacfwd`` and ``hessian`` it needs a forward without ``ctx`` plus a ``setup_context``; a ``vmap``
-staticmethod or ``generate_vmap_rule = True``; a ``jvp`` staticmethod for forward mode. Each is
-checked against closed forms and ``gradcheck``, and broken once for its error; then come batching
-rules by hand, saved intermediates, in-place Functions, ``once_differentiable`` and custom ops.
+supplies the forward and the derivatives by hand. Under the transforms it needs a forward without
+``ctx`` plus a ``setup_context``; ``vmap`` and ``jacfwd`` need a ``vmap`` staticmethod or
+``generate_vmap_rule = True``, forward mode a ``jvp`` staticmethod. Each is checked, and broken
+once; then come batching rules by hand, saved intermediates, in-place Functions,
+``once_differentiable`` and custom ops.
 """
 
 import textwrap
@@ -33,8 +33,9 @@ x = torch.linspace(-2, 2, 9, device=device, dtype=torch.float64)  # float64: gra
 # * ``forward(x)`` computes the output, with no ``ctx``;
 # * ``setup_context`` saves the output, which both derivatives need: ``save_for_backward`` for
 #   reverse mode, ``save_for_forward`` for forward mode;
-# * ``backward``, the vector-Jacobian product ``g · (1 − y²)``, in PyTorch operators so that
-#   ``hessian`` can differentiate it again; ``jvp``, the Jacobian-vector product ``t · (1 − y²)``;
+# * ``backward``, the vector-Jacobian product ``g · (1 − y²)``, in PyTorch operators: under
+#   ``grad`` it gets the transforms' tensors, which NumPy cannot read, and ``hessian``
+#   differentiates it again; ``jvp``, the Jacobian-vector product ``t · (1 − y²)``;
 # * ``vmap`` runs a batch: tanh is element-wise, so the batch goes through the same NumPy call
 #   and comes out batched along the same dimension.
 
@@ -86,11 +87,10 @@ torch.testing.assert_close(jacfwd(NumpyTanh.apply)(x), torch.diag(exact_first))
 torch.testing.assert_close(vmap(hessian(NumpyTanh.apply))(x), exact_second)
 tile = x.reshape(3, 3)
 torch.testing.assert_close(vmap(NumpyTanh.apply, in_dims=1)(tile), torch.tanh(tile).T)
-print("grad, vmap, jvp, vjp, jacrev, jacfwd and hessian agree with the closed forms")
 x_leaf = (x.clone().requires_grad_(),)
 assert torch.autograd.gradcheck(NumpyTanh.apply, x_leaf, check_forward_ad=True)
 assert torch.autograd.gradgradcheck(NumpyTanh.apply, x_leaf)
-print("gradcheck (reverse and forward mode) and gradgradcheck pass")
+print("grad, vmap, jvp, vjp, jacrev, jacfwd, hessian agree; gradcheck passes")
 
 # %%
 # Breaking the rules one at a time
@@ -112,13 +112,8 @@ def expect_error(fn, error_type, fragment):
 
 
 class DoubleOldStyle(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return 2 * x
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return 2 * grad_output
+    forward = staticmethod(lambda ctx, x: 2 * x)  # ctx first: the older style
+    backward = staticmethod(lambda ctx, grad_output: 2 * grad_output)
 
 
 leaf = x.clone().requires_grad_()
@@ -129,7 +124,8 @@ expect_error(lambda: vmap(DoubleOldStyle.apply)(x), RuntimeError, "setup_context
 # %%
 # Without a ``vmap`` staticmethod (or a generated rule) ``vmap`` refuses, and so does ``jacfwd``
 # (so ``hessian`` too), which runs its Jacobian-vector products under ``vmap``; without a
-# ``jvp`` staticmethod forward mode refuses. Reverse mode alone works.
+# ``jvp`` staticmethod forward mode refuses. Reverse mode alone works. A ``backward`` that reads
+# its tensors with NumPy suits plain autograd, not ``grad``: its tensors have no storage.
 
 
 class TanhWithoutVmapOrJvp(torch.autograd.Function):
@@ -138,11 +134,21 @@ class TanhWithoutVmapOrJvp(torch.autograd.Function):
     backward = NumpyTanh.backward
 
 
+class TanhNumpyBackward(NumpyTanh):  # the same slope, 1 − y², computed in NumPy
+    @staticmethod
+    def backward(ctx, grad_output):
+        y = ctx.saved_tensors[0].detach().cpu().numpy()
+        return grad_output * torch.as_tensor(1 - y * y, device=grad_output.device)
+
+
 bare = TanhWithoutVmapOrJvp.apply
 torch.testing.assert_close(grad(lambda t: bare(t).sum())(x), exact_first)
 expect_error(lambda: vmap(bare)(x), RuntimeError, "generate_vmap_rule")
 expect_error(lambda: jvp(bare, (x,), (x,)), NotImplementedError, "implement the jvp")
 expect_error(lambda: jacfwd(bare)(x), RuntimeError, "generate_vmap_rule")
+assert torch.autograd.gradcheck(TanhNumpyBackward.apply, x_leaf)  # plain autograd: fine
+numpy_grad = grad(lambda t: TanhNumpyBackward.apply(t).sum())
+expect_error(lambda: numpy_grad(x), RuntimeError, "doesn't have storage")
 
 # %%
 # A generated ``vmap`` rule
@@ -190,10 +196,11 @@ print("SoftClip: generated vmap rule, grad, jacfwd, gradcheck and gradgradcheck 
 # -----------------------------------------------------
 # ``NumpyMatVec`` computes ``A v`` in NumPy. Its ``vmap`` staticmethod receives ``info`` and
 # ``in_dims``, one entry per input: the dimension ``vmap`` maps over, or ``None``. The rule moves
-# each mapped dimension to the front, expands an unmapped input to ``info.batch_size`` copies, runs
-# the Function once on the batch and returns the output's batch dimension. The copies matter under
-# nested ``vmap``: an input the outer level does not map holds the inner batch first, which
-# ``np.matmul`` would pair with the outer batch. ``backward`` and ``jvp`` see the batch: ``...``.
+# each mapped dimension to the front, expands an unmapped input to ``info.batch_size`` (a view),
+# runs the Function once on the batch and returns the output's batch dimension. The expansion
+# matters in nested ``vmap``: an input the outer level does not map holds the inner batch first,
+# which ``np.matmul`` would pair with the outer batch. ``backward`` and ``jvp`` see the batch:
+# ``...``.
 
 
 class NumpyMatVec(torch.autograd.Function):
@@ -239,10 +246,6 @@ loop = torch.stack([A @ v for A, v in zip(matrices, vectors)])
 torch.testing.assert_close(vmap(matvec)(matrices, vectors), loop)
 moved = vmap(matvec, in_dims=(2, 1))(matrices.permute(1, 2, 0), vectors.T)
 torch.testing.assert_close(moved, loop)
-one_matrix = vmap(matvec, in_dims=(None, 0))(A0, vectors)
-torch.testing.assert_close(one_matrix, torch.stack([A0 @ v for v in vectors]))
-one_vector = vmap(matvec, in_dims=(0, None))(matrices, v0)
-torch.testing.assert_close(one_vector, torch.stack([A @ v0 for A in matrices]))
 all_pairs = vmap(vmap(matvec, in_dims=(None, 0)), in_dims=(0, None))(matrices, vectors)
 pairs_loop = torch.stack([torch.stack([A @ v for v in vectors]) for A in matrices])
 torch.testing.assert_close(all_pairs, pairs_loop)  # needs the expand
@@ -331,18 +334,9 @@ print("TopKSum: vmap, grad, jvp and gradcheck agree; the mask is not differentia
 
 class DoubleInPlace(torch.autograd.Function):
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.mul_(2)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_dirty(inputs[0])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return 2 * grad_output
+    forward = staticmethod(lambda x: x.mul_(2))
+    setup_context = staticmethod(lambda ctx, inputs, output: ctx.mark_dirty(inputs[0]))
+    backward = staticmethod(lambda ctx, grad_output: 2 * grad_output)
 
 
 class DoubleInPlaceByHand(DoubleInPlace):  # the whole batch doubled in place
@@ -350,7 +344,7 @@ class DoubleInPlaceByHand(DoubleInPlace):  # the whole batch doubled in place
     vmap = staticmethod(lambda info, dims, x: (DoubleInPlaceByHand.apply(x), dims[0]))
 
 
-in_place = grad(lambda t: DoubleInPlace.apply(t.clone()).sum())(x)
+in_place = grad(lambda t: DoubleInPlace.apply(t.clone()).sum())(x)  # t itself: a leaf
 torch.testing.assert_close(in_place, torch.full_like(x, 2.0))
 expect_error(lambda: vmap(DoubleInPlace.apply)(batch.clone()), RuntimeError, "as dirty")
 doubled = batch.clone()
@@ -389,7 +383,9 @@ expect_error(again, RuntimeError, "element 0 of tensors does not require grad")
 # plain autograd work, but ``grad`` refuses the op with the old-style Function's error (reported
 # for ``grad`` and ``jacrev``: pytorch#168393, pytorch#179652), and ``jvp`` and ``jacfwd`` return
 # a zero tangent, silently. So: an ``autograd.Function`` for ``torch.func``'s derivatives; a
-# custom op for ``torch.compile``, ``vmap`` and ``backward()``.
+# custom op for ``torch.compile``, ``vmap`` and ``backward()``. Compiled, ``grad`` of a Function
+# differentiates its forward and ignores ``backward``, silently (pytorch#193279; ``jvp``:
+# pytorch#192985): through ``NumpyTanh``'s detached forward, zeros. Keep that out of the compile.
 graph_ops = []  # what dynamo captured, recorded by the backend below, which runs it as is
 
 
@@ -419,6 +415,9 @@ largest = max(tangent.abs().max(), forward_jacobian.abs().max())
 print(f"jvp and jacfwd through the custom op: largest |entry| {largest:.1f}, "
       f"where 1 − tanh² reaches {exact_first.max():.1f}")  # fmt: skip
 assert not tangent.any() and not forward_jacobian.any() and exact_first.max() > 0.5
+compiled_grad = grad(lambda t: NumpyTanh.apply(t).sum())
+compiled_grad = torch.compile(compiled_grad, backend=record, fullgraph=True)
+assert not compiled_grad(x).any() and exact_first.min() > 0  # eager grad: exact_first
 
 # %%
 # The two element-wise Functions and their derivatives
@@ -444,7 +443,8 @@ plt.show()
 # * ``vmap`` and ``jacfwd`` need a ``vmap`` staticmethod or ``generate_vmap_rule = True``; a
 #   rule by hand brings each input's batch dimension first (``in_dims`` is ``None`` for
 #   non-tensors). Forward mode needs a ``jvp`` staticmethod.
-# * Write ``backward`` in PyTorch operators: ``once_differentiable`` makes nested ``grad`` wrong.
+# * Write ``backward`` in PyTorch operators: NumPy cannot read the transforms' tensors, and
+#   ``once_differentiable`` makes nested ``grad`` wrong. Compiled ``grad`` ignores ``backward``.
 # * Check with ``gradcheck(..., check_forward_ad=True)`` and ``gradgradcheck`` in float64.
 # * ``torch.library.custom_op`` suits ``torch.compile``, ``vmap`` and ``backward()``; in this
 #   release ``grad`` refuses it and ``jvp`` through it returns zeros, silently.
