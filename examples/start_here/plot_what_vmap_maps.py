@@ -291,6 +291,25 @@ refused("grad over a dict with an int", ValueError, int_leaf, scaled, {"w": w0, 
 
 
 # %%
+# Jacobians follow the same rule, on both sides: a function with several outputs gets one
+# Jacobian per output, in the output's structure, and ``argnums=(0, 1)`` nests one per input
+# inside each: ``jac[i][j]`` is output *i*'s Jacobian in input *j*, of shape output *i*'s shape
+# followed by input *j*'s. The references, by hand: for ``(W x, sin x)``, ``W``, ``δ_ij x_k``,
+# ``diag(cos x)`` and zeros.
+def two_outputs(x, W):
+    return W @ x, x.sin()
+
+
+x1, W1 = torch.randn(3, device=device), torch.randn(2, 3, device=device)
+by_hand = ((W1, torch.einsum("ij,k->ijk", torch.eye(2, device=device), x1)),
+           (torch.diag(x1.cos()), torch.zeros(3, 2, 3, device=device)))  # fmt: skip
+for jacobian in (jacrev, jacfwd):
+    jac = jacobian(two_outputs, argnums=(0, 1))(x1, W1)
+    for i, j in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        same(f"{jacobian.__name__}, jac[{i}][{j}]", jac[i][j], by_hand[i][j], 1e-6)
+
+
+# %%
 # Building a tensor inside a transform: ``torch.stack``, not ``torch.tensor``
 # ---------------------------------------------------------------------------
 # :func:`torch.tensor` and :class:`torch.Tensor` copy *values* out of the scalars in their
@@ -410,7 +429,8 @@ plt.show()
 # * One ``vmap`` maps one dimension: nest two for two batch dimensions (or flatten them), and
 #   nest a map over points around a map over tangents to get every pair.
 # * Arguments and results may be nested dicts, lists and tuples; ``in_dims`` and ``out_dims``
-#   may be prefixes of their structure, with ``None`` for non-tensor leaves.
+#   may be prefixes of their structure, with ``None`` for non-tensor leaves. Jacobians of several
+#   outputs in several inputs come back nested: ``jac[output][input]``.
 # * Build tensors from traced scalars with ``torch.stack``: ``torch.tensor([...])`` raises
 #   under ``vmap`` and gives a zero Jacobian under ``jacrev``.
 # * Results of different lengths: pad to the longest with an ``arange < length`` mask, or use
