@@ -234,14 +234,15 @@ recipes["ensemble of 8"] = (ensemble, (stacked, inputs),
 # %%
 # Other names that carry over
 # ---------------------------
-# ``jax.lax.stop_gradient(x)`` is ``x.detach()`` (checked below); ``has_aux`` is spelled alike
-# in ``grad``, ``jacrev``, ``jacfwd`` and ``vjp``; ``jax.custom_jvp`` and ``custom_vjp`` become
-# a :class:`torch.autograd.Function` (:ref:`the extending page
-# <sphx_glr_auto_examples_guides_plot_extending_torch_func.py>`). JAX takes random keys where
-# ``vmap`` takes ``randomness=``; ``chunk_size`` is nearest to ``jax.lax.map``'s ``batch_size``.
+# ``jax.lax.stop_gradient(x)`` is ``x.detach()``; ``has_aux`` is spelled alike in ``grad``,
+# ``jacrev``, ``jacfwd`` and ``vjp``; ``jax.custom_jvp`` and ``custom_vjp`` become a
+# :class:`torch.autograd.Function`. JAX's random keys are ``vmap``'s ``randomness=``; ``chunk_size``
+# is nearest to ``jax.lax.map``'s ``batch_size``. ``jax.lax.scan`` has no public counterpart
+# (``torch._higher_order_ops.scan`` is private): write the loop in Python.
 stop = jax.lax.stop_gradient  # with one factor stopped, the gradient of x·x is x
 assert torch.equal(grad(lambda x: (x.detach() * x).sum())(x0), x0)
 assert np.array_equal(jax.grad(lambda x: (stop(x) * x).sum())(jax_x0), jax_x0)
+assert not hasattr(torch.func, "scan") and hasattr(torch._higher_order_ops, "scan")
 
 # %%
 # Every recipe, checked
@@ -429,11 +430,10 @@ for recipe, (torch_fn, torch_args, *_) in recipes.items():
 
 # %%
 # Reading the counts. *Eager against op by op*: JAX runs ``vmap``, ``grad`` and ``jvp`` as
-# interpreters written in Python, which every primitive passes through, so op by op it makes more
-# Python calls than PyTorch (asserted), whose ``torch.func`` does that work in C++ for most
-# operations: probably much of the first ratio, though not timed apart here. *Compiled against
-# jit*: a ``jax.jit`` call makes a handful of Python calls, a compiled torch function many more
-# (asserted), a cost the ``x + 1`` row times; the rest is the compiled code's own work.
+# interpreters in Python, so op by op it makes more Python calls than PyTorch (asserted), whose
+# ``torch.func`` does that work in C++ for most operations: probably much of the first ratio, not
+# timed apart here. *Compiled against jit*: a ``jax.jit`` call makes a handful of Python calls, a
+# compiled torch function many more (asserted), a cost the ``x + 1`` row times.
 
 # %%
 # What to remember
