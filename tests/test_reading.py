@@ -62,6 +62,7 @@ SITE_PALETTE = {
     "MAML": "#994455",
     "joint training": "#225555",
     "flat vector": "#88CCEE",
+    "vmap fallback": "#DDCC77",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
