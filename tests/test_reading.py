@@ -63,6 +63,7 @@ SITE_PALETTE = {
     "joint training": "#225555",
     "flat vector": "#88CCEE",
     "vmap fallback": "#DDCC77",
+    "nested jvp": "#666633",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
