@@ -8,7 +8,8 @@ This page builds it for an MLP's loss three ways from :func:`~torch.func.grad`,
 :func:`~torch.func.jvp` and ``vjp``, checks it against float64 autograd, and costs it against
 one gradient: eager, compiled, and built once at fixed parameters (:func:`~torch.func.linearize`
 or a kept :func:`~torch.func.vjp`, with the memory each keeps), in matrix-product FLOPs and time.
-:ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_curvature_algorithms.py` uses it.
+:ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_curvature_algorithms.py` uses it, and
+:ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_diagonals_and_higher_orders.py` batches.
 """
 
 # %%
@@ -438,9 +439,8 @@ plt.show()
 # %%
 # What to remember
 # ----------------
-# * ``jvp(grad(L), (θ,), (v,))`` returns the gradient and ``H v`` (``has_aux`` brings the
-#   loss and logits too); ``vjp`` of ``grad`` and ``grad`` of a ``jvp`` give the same product.
-#   Check each tensor against float64 autograd, itself checked by a finite difference.
+# * ``jvp(grad(L), (θ,), (v,))`` returns the gradient and ``H v``; ``vjp`` of ``grad`` and
+#   ``grad`` of a ``jvp`` give the same product. Check it against float64 autograd.
 # * Count matrix products before explaining a cost, and look at what is multiplied: here eager
 #   forward mode multiplies an all-zero tangent of the inputs.
 # * Call nothing compiled under a dispatch mode (it runs eager, and may stay eager), and check
