@@ -2,15 +2,13 @@
 Data-dependent shapes under vmap: nonzero, unique, masks and sparse tensors
 ===========================================================================
 
-``x[x > 0]``, ``torch.nonzero`` or ``torch.unique`` return as many entries as the values ask
-for: each sample would get a result of its own size, which ``vmap`` cannot stack. This page
-triggers each such error of torch 2.13 and prints its first line, lists the look-alikes that
-run, then rewrites each operator with a fixed shape (a mask beside the values, indices padded
-by :func:`torch.nonzero_static` or a stable sort, counts over a known range, top-k), checking
-values and gradients against a loop over samples that calls the original operator. Last:
-sparse matrices under ``vmap`` and ``grad``. This goes past the one clamp in
-:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`; to keep a ragged result, pad it as in
-:ref:`sphx_glr_auto_examples_start_here_plot_what_vmap_maps.py`; other messages are in
+``x[x > 0]``, ``torch.nonzero`` or ``torch.unique`` return as many entries as the values ask for:
+each sample would get a result of its own size, which ``vmap`` cannot stack. This page triggers
+each such error of torch 2.13, then rewrites each operator with a fixed shape (a mask beside the
+values, indices padded by :func:`torch.nonzero_static` or a stable sort, counts over a known
+range, top-k, index windows), checking values and gradients against a loop that calls the original
+operator; last, sparse matrices under ``vmap`` and ``grad``. More on ragged results:
+:ref:`sphx_glr_auto_examples_start_here_plot_what_vmap_maps.py`; other messages:
 :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`.
 """
 
@@ -63,7 +61,7 @@ refused("vmap: x[x > 0]", lambda: vmap(lambda x: x[x > 0])(scores), RuntimeError
 
 def zero_the_negatives(x):
     x = x.clone()
-    x[x < 0] = 0
+    x[x < 0] = 0  # the fix: x.masked_fill(x < 0, 0), or torch.where(x < 0, 0, x)
     return x
 
 
@@ -178,6 +176,7 @@ inputs = torch.randn(6, 10, 3, device=device)
 targets = inputs @ torch.tensor([1.0, -2.0, 0.5], device=device)
 targets[torch.rand(6, 10, device=device) < 0.3] = float("nan")
 targets[4] = float("nan")  # a sample with no observed target: its gradient is 0
+targets[0] = inputs[0] @ torch.tensor([1.0, -2.0, 0.5], device=device)  # all observed
 weights = torch.randn(3, device=device)
 
 
@@ -211,6 +210,7 @@ def unfilled_mse(w, x, y):
 assert torch.equal(mapped(unfilled_mse)(*data), mapped(observed_mse)(*data))
 nan_grads = mapped(grad(unfilled_mse))(*data)
 assert torch.equal(nan_grads.isnan().any(1), targets.isnan().any(1))
+assert not targets[0].isnan().any() and targets[1:].isnan().any(1).all()
 print("unfilled: NaN gradients exactly for the samples with a missing target")
 
 # %%
@@ -235,7 +235,7 @@ check("size=2: the first two only", first_two, loop[:, :2], 0)
 
 # %%
 # The batched rewrite: a stable sort of the negated mask puts the selected positions first, in
-# order. Gather the values with the positions clamped (a fill of -1 would read the last entry)
+# order. Gather the values with the positions clamped (``gather`` raises on an index of -1)
 # and zero them where the validity mask says so: ``x[x > 0]``, padded.
 def first_positions(mask, length):
     """Positions of mask's first `length` True entries, padded with -1, and validity."""
@@ -370,7 +370,8 @@ check("sparse.mm(L, X.T).T, whole batch", batched, dense_product, 2e-6)
 # column runs under ``vmap`` through the per-sample loop, but not under ``vmap(grad)``;
 # ``torch.mm`` not even under ``vmap``. A CSR matrix maps, but ``grad`` refuses it, though
 # ``autograd`` takes it: call ``to_sparse_coo()`` outside the function. A batch of sparse
-# matrices (a mapped sparse input) maps, but its product raises: densify the stack first.
+# matrices (a mapped sparse input) maps, but ``matmul`` on it raises; ``torch.sparse.mm`` runs,
+# through the per-sample loop.
 with warnings.catch_warnings(action="ignore"):  # "Sparse CSR tensor support is in beta"
     csr = laplacian.to_sparse_csr()
 column = vmap(lambda x: torch.sparse.mm(laplacian, x[:, None]).squeeze(1))
@@ -395,8 +396,9 @@ check("autograd: CSR", by_autograd, by_hand, 5e-6)
 stacked = torch.stack([laplacian.to_dense()] * 6).to_sparse()  # one matrix per sample
 refused("vmap over sparse matrices: A @ x", lambda: vmap(torch.matmul)(stacked, signals),
         RuntimeError, expand)  # fmt: skip
-by_stack = vmap(torch.mv)(stacked.to_dense(), signals)
-check("vmap(torch.mv) over the dense stack", by_stack, batched, 2e-6)
+stack_mm = vmap(lambda A, x: torch.sparse.mm(A, x[:, None]).squeeze(1))
+by_sparse_stack, looped = fallback(lambda: stack_mm(stacked, signals))
+check(f"sparse.mm on a sparse stack, looping: {looped}", by_sparse_stack, batched, 2e-6)
 
 # %%
 # Measuring: nonzero_static or the sort, against a loop
@@ -413,15 +415,16 @@ recipes = {
 }
 with warnings.catch_warnings(action="ignore"):
     check("sort vs nonzero_static", recipes["vmap"](), recipes["vmap fallback"](), 0)
-    timings = {}
+    timings, threads = {}, torch.get_num_threads()
     for name, run in recipes.items():
         run()  # warm-up
-        timer = benchmark.Timer("run()", globals={"run": run})
+        timer = benchmark.Timer("run()", globals={"run": run}, num_threads=threads)
         timings[name] = timer.blocked_autorange(min_run_time=0.3)
 for name, timing in timings.items():
     line = f"{name}: {timing.median * 1e3:.3f} ms (IQR {timing.iqr * 1e3:.3f} ms)"
     ratio = timing.median / timings["vmap"].median
-    print(line + ("" if name == "vmap" else f", takes {ratio:.1f}x the time of vmap"))
+    words = f"takes {ratio:.1f}x the time of", f"is {1 / ratio:.1f}x faster than"
+    print(line + ("" if name == "vmap" else f", {words[ratio < 1]} vmap"))
 fig, ax = plt.subplots(figsize=(6.4, 2.8))
 names = list(timings)
 medians, spreads = zip(*[(t.median * 1e3, t.iqr * 500) for t in timings.values()])
@@ -434,9 +437,9 @@ plt.show()
 # %%
 # What to remember
 # ----------------
-# * Boolean-mask indexing, ``masked_select``, ``nonzero``, one-argument ``where`` and
-#   ``unique`` raise under ``vmap``; ``argwhere``, ``bincount`` and tensor
-#   ``repeat_interleave`` raise only when the samples' sizes differ.
+# * With a per-sample mask, boolean indexing, ``masked_select``, ``nonzero``, one-argument
+#   ``where`` and ``unique`` raise under ``vmap``; ``x[mask] = v`` is ``x.masked_fill(mask, v)``.
+#   ``argwhere``, ``bincount`` and tensor ``repeat_interleave`` raise when sizes differ.
 # * To reduce the selected entries, do not select: fill the rest with the neutral value, divide
 #   by the mask's count (guarded), and fill NaNs before the arithmetic, not after.
 # * For indices, ``torch.nonzero_static(mask, size=k, fill_value=-1)`` runs, through a loop; a
