@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
@@ -144,7 +144,18 @@ def small_layer(u):
 jac_rev, mask_rev = jacrev(small_layer, has_aux=True)(point)
 summed = lambda u: small_layer(u)[0].sum()  # noqa: E731
 for transform in (jacfwd, hessian):
-    raises_runtime_error(lambda: transform(summed)(point), "randomness")  # noqa: B023
+    raises_runtime_error(lambda: transform(summed)(point), "randomness error mode")  # noqa: B023
+
+# %%
+# :func:`~torch.func.linearize` takes no flag and raises nothing, but is silently wrong here: its
+# tangent function draws a new mask at each call, unrelated to the mask of the output it returns.
+ones = torch.ones(64, device=device, dtype=torch.float64)
+masked, tangent_fn = linearize(lambda u: F.dropout(u, 0.5), ones)
+first, second = tangent_fn(ones), tangent_fn(ones)
+print(
+    f"linearize: {(first != 0).ne(masked != 0).sum()} of 64 entries off the output's mask"
+)
+assert (first != 0).ne(masked != 0).any() and (first != 0).ne(second != 0).any()
 
 
 # %%
