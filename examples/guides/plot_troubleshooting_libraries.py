@@ -207,7 +207,7 @@ for op in (distances, nn.functional.pdist, zeta):
     with must_raise(NotImplementedError, "Trying to use forward AD with"):
         jvp(op, (dots,), (dots,))
 # The fix for igamma: reverse over reverse, jacrev(jacrev(f)), which needs backward formulas
-# only; igamma has them to second order in x (not in the shape). For F = P(a, x) at x = rate·t,
+# only; igamma has them in x, at any order (none in the shape). For F = P(a, x) at x = rate·t,
 # d² log F / d rate² = t² (p'/F − p²/F²), with the Gamma density p = x^(a−1) e^(−x) / Γ(a) and
 # p' = p ((a − 1)/x − 1); the rates do not mix.
 x = rates * waits
@@ -217,9 +217,9 @@ slope = density * ((shapes - 1) / x - 1)
 by_hand = torch.diag(waits**2 * (slope / cdf - density**2 / cdf**2))
 near("jacrev(jacrev(f))", jacrev(jacrev(log_cdf))(rates), by_hand, 1e-14)
 # Not for the other three: zeta has no derivative in its first argument, pdist and cdist (on
-# this path) no second backward; cdist's matrix-product path, the default above 25 rows a side,
-# has one. Or write the function out in operators with formulas (as the Hessian section below
-# does), or an autograd.Function: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
+# this path) no second backward; cdist's matrix-product path (the default past 25 rows on either
+# side) has one, for jacrev(jacrev), not jvp. Or write it out in operators with formulas, or
+# use an autograd.Function: :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`.
 for op in (distances, nn.functional.pdist, zeta):
     with must_raise(NotImplementedError, "the derivative for"):
         jacrev(jacrev(op))(dots)
