@@ -64,6 +64,12 @@ SITE_PALETTE = {
     "flat vector": "#88CCEE",
     "vmap fallback": "#DDCC77",
     "nested jvp": "#666633",
+    "module call": "#BB5566",
+    "functional_call": "#009988",
+    "loss.backward()": "#4477AA",
+    "autograd.grad": "#EE6677",
+    "func.grad": "#228833",
+    "func.grad_and_value": "#CCBB44",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 

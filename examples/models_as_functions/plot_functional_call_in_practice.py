@@ -1,0 +1,430 @@
+"""
+``functional_call`` in practice: modes, buffers, optimisers and overhead
+========================================================================
+
+:func:`~torch.func.functional_call` runs an ordinary module with tensors you hand it. On a small
+classifier with Dropout and BatchNorm, this page answers the questions users ask about it: does
+it follow ``model.train()`` and ``model.eval()``, where do BatchNorm's running statistics go,
+how does a ``torch.optim`` optimiser take gradients from :func:`~torch.func.grad`, and why is
+``torch.func.grad`` slower than ``loss.backward()`` on a small model. Each answer is checked
+against the module's own call, a closed form or an ordinary training loop; then the routes are
+timed at several batch sizes. Coming from ``make_functional``: see
+:ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
+"""
+
+# %%
+# Setup
+# -----
+# Two linear layers with BatchNorm, ReLU and Dropout between them; named layers make readable
+# keys. The data is drawn on the CPU, so that it is the same on every device.
+import copy
+from collections import OrderedDict
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, grad_and_value
+from torch.utils import benchmark
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+METHOD_COLORS = {"module call": "#BB5566", "functional_call": "#009988",
+                 "loss.backward()": "#4477AA", "autograd.grad": "#EE6677",
+                 "func.grad": "#228833", "func.grad_and_value": "#CCBB44"}  # fmt: skip
+
+FEATURES, WIDTH, CLASSES, DROP = 20, 64, 5, 0.25
+model = nn.Sequential(OrderedDict(
+    hidden=nn.Linear(FEATURES, WIDTH), norm=nn.BatchNorm1d(WIDTH), act=nn.ReLU(),
+    drop=nn.Dropout(DROP), head=nn.Linear(WIDTH, CLASSES))).to(device)  # fmt: skip
+inputs = torch.randn(32, FEATURES).to(device)
+labels = torch.randint(0, CLASSES, (32,)).to(device)
+
+
+def close_to(label, got, want, bound):
+    error = ((got - want).norm() / want.norm()).item()
+    margin = f"{bound / error:.0f}x margin" if error else "exact"
+    print(f"{label}: relative error {error:.1e} (bound {bound:.0e}, {margin})")
+    assert error < bound, f"{label}: relative error {error:.2e}"
+
+
+# %%
+# The recipe, checked against the module itself
+# ----------------------------------------------
+# ``functional_call(model, tensors, args, kwargs)`` runs ``model(*args, **kwargs)`` with the
+# parameters and buffers named in ``tensors`` (one dict, or a tuple of dicts) standing in for the
+# module's own, and puts the module's own back afterwards. Given the module's own tensors, it
+# must reproduce ``model(inputs)``; given other tensors, the output of a copy that loaded them
+# with ``load_state_dict``. Evaluation mode first, where the output is deterministic.
+model.eval()
+own = {name: t.detach().clone() for name, t in model.state_dict().items()}  # a snapshot
+by_dict = functional_call(model, own, (inputs,))
+close_to("own tensors vs model(inputs)", by_dict, model(inputs).detach(), 1e-6)
+
+other = {name: t + 0.3 * torch.randn_like(t) if name.endswith(("weight", "bias", "mean"))
+         else t.clone() for name, t in own.items()}  # fmt: skip
+other["norm.running_var"].uniform_(0.5, 2.0)
+params = {name: other[name] for name, _ in model.named_parameters()}
+loaded = copy.deepcopy(model)
+loaded.load_state_dict(other)
+by_dict = functional_call(model, other, (inputs,))
+close_to("other tensors vs a loaded copy", by_dict, loaded(inputs).detach(), 1e-6)
+assert all(torch.equal(t, own[name]) for name, t in model.state_dict().items())
+print("the module's own tensors are unchanged")
+
+
+# %%
+# Modes: ``functional_call`` follows ``model.train()`` and ``model.eval()``
+# -------------------------------------------------------------------------
+# It has no mode argument: each layer reads its own ``training`` flag, which ``train()`` and
+# ``eval()`` set on the module, so one dict serves both modes. Forward hooks, which run under
+# ``functional_call`` as under a plain call, record what BatchNorm and Dropout received and
+# returned; each is checked against its closed form. In evaluation mode BatchNorm normalises
+# with the running statistics *passed in* and Dropout returns its input.
+seen = {}
+hooks = [getattr(model, name).register_forward_hook(
+    lambda layer, args, out, name=name: seen.update({name: (args[0], out)}))
+    for name in ("norm", "drop")]  # fmt: skip
+
+
+def batch_norm_by_hand(h, mean, var, state):
+    scaled = (h - mean) / torch.sqrt(var + model.norm.eps)
+    return scaled * state["norm.weight"] + state["norm.bias"]
+
+
+functional_call(model, other, (inputs,))
+h, normed = seen["norm"]
+close_to("eval BatchNorm vs running statistics", normed, batch_norm_by_hand(
+    h, other["norm.running_mean"], other["norm.running_var"], other), 1e-6)  # fmt: skip
+assert torch.equal(*seen["drop"]), "eval-mode Dropout changed its input"
+
+# %%
+# In training mode BatchNorm normalises with the batch's own mean and *biased* variance, and
+# Dropout zeroes each entry with probability ``p`` and scales the rest by ``1/(1-p)``. ReLU
+# already zeroed about half its outputs, so the dropped fraction is counted among the others.
+model.train()
+functional_call(model, copy.deepcopy(other), (inputs,))
+assert model.training and model.norm.training, "functional_call changed the mode"
+h, normed = seen["norm"]
+close_to("train BatchNorm vs batch statistics", normed, batch_norm_by_hand(
+    h, h.mean(0), h.var(0, correction=0), other), 1e-6)  # fmt: skip
+before, after = seen["drop"]
+kept = after != 0
+close_to("train Dropout, kept entries vs input/(1-p)", after[kept],
+         before[kept] / (1 - DROP), 1e-6)  # fmt: skip
+dropped = ((before != 0) & ~kept).sum().item() / (before != 0).sum().item()
+print(f"Dropout zeroed {dropped:.1%} of the nonzero entries (p = {DROP})")
+assert abs(dropped - DROP) < 0.06, dropped
+for hook in hooks:
+    hook.remove()
+
+
+# %%
+# Dropout draws from PyTorch's global generator, so two calls agree only if they start from
+# the same seed. With it, ``functional_call`` and the module's own call agree; without it, not.
+def seeded(seed, run):
+    torch.manual_seed(seed)
+    return run().detach()
+
+
+twin = copy.deepcopy(model)  # a plain call writes its own buffers: not model's
+twin.load_state_dict(other)
+by_dict = seeded(7, lambda: functional_call(model, copy.deepcopy(other), (inputs,)))
+close_to("train mode, same seed: functional_call vs module", by_dict,
+         seeded(7, lambda: twin(inputs)), 1e-6)  # fmt: skip
+moved = (seeded(8, lambda: twin(inputs)) - by_dict).norm() / by_dict.norm()
+print(f"another seed moves the output by {moved:.2f} (relative)")
+assert moved > 0.05
+
+
+# %%
+# Buffers: BatchNorm writes into the tensors you pass
+# ---------------------------------------------------
+# In training mode BatchNorm updates its running statistics *in place*: with momentum ``m``,
+# ``running_mean ← (1−m)·running_mean + m·batch mean`` and the same for ``running_var`` with
+# the *unbiased* batch variance, and ``num_batches_tracked`` grows by one. Under
+# ``functional_call`` the tensors written are the ones in your dict; the module's own stay.
+state = copy.deepcopy(other)
+functional_call(model, state, (inputs,))
+m = model.norm.momentum
+h = F.linear(inputs, other["hidden.weight"], other["hidden.bias"])  # BatchNorm's input
+new_mean = (1 - m) * other["norm.running_mean"] + m * h.mean(0)
+close_to("running_mean, (1-m)·old + m·mean", state["norm.running_mean"], new_mean, 1e-6)
+close_to("running_var, (1-m)·old + m·unbiased var", state["norm.running_var"],
+         (1 - m) * other["norm.running_var"] + m * h.var(0, correction=1), 1e-6)  # fmt: skip
+assert state["norm.num_batches_tracked"] == other["norm.num_batches_tracked"] + 1
+assert all(torch.equal(t, own[name]) for name, t in model.state_dict().items())
+print("the dict's statistics moved; the module's own did not")
+
+# %%
+# A name the dict lacks falls back to the module's own tensor, and then *that* is written: pass
+# the parameters alone, and the module's own running statistics move. To keep what a training
+# run learnt, keep the dict, or ``load_state_dict`` it into the module when done.
+functional_call(model, params, (inputs,))
+assert model.norm.num_batches_tracked == own["norm.num_batches_tracked"] + 1
+assert not torch.equal(model.norm.running_mean, own["norm.running_mean"])
+print("parameters only: the module's own running statistics moved")
+model.load_state_dict(own)  # back to where it was
+
+
+# %%
+# Under :func:`~torch.func.grad`, pass the buffers as an argument that is not differentiated:
+# they are updated in place exactly as above, once per call. Left to the module (captured),
+# they raise "would mutate a captured Tensor": see
+# :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`, where ``vmap`` over single
+# samples is covered too. Put in the differentiated dict, they fail for another reason:
+# ``num_batches_tracked`` is an integer, and only floating tensors can require gradients.
+def batch_loss(params, buffers, x, y):
+    return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
+
+
+buffers = {name: t.clone() for name, t in other.items() if name not in params}
+grad(batch_loss)(params, buffers, inputs, labels)
+close_to("under grad: running_mean", buffers["norm.running_mean"], new_mean, 1e-6)
+assert buffers["norm.num_batches_tracked"] == other["norm.num_batches_tracked"] + 1
+try:
+    grad(lambda merged: batch_loss(merged, {}, inputs, labels))(params | buffers)
+    raise AssertionError("grad differentiated an integer buffer")
+except RuntimeError as refusal:
+    assert "only Tensors of floating point dtype can require gradients" in str(refusal)
+    print(f"buffers in the differentiated dict: RuntimeError: {refusal}")
+
+
+# %%
+# Names: ``strict=True``, and tied weights
+# ----------------------------------------
+# By default a name that matches nothing is ignored. A typo then runs the module with its own
+# tensor, silently. ``strict=True`` asks for every parameter and buffer and nothing else, and
+# raises a ``RuntimeError`` that names the missing and the unexpected keys.
+typo = dict(other)
+typo["head.weights"] = typo.pop("head.weight")
+model.eval()
+own_head = F.linear(loaded[:-1](inputs), own["head.weight"], other["head.bias"])
+close_to("typo, not strict: the module's own head.weight",
+         functional_call(model, typo, (inputs,)), own_head.detach(), 1e-6)  # fmt: skip
+try:
+    functional_call(model, typo, (inputs,), strict=True)
+    raise AssertionError("strict=True accepted a typo")
+except RuntimeError as refusal:
+    assert "Missing key(s): 'head.weight'" in str(refusal), refusal
+    assert "Unexpected key(s): 'head.weights'" in str(refusal), refusal
+    print("strict=True: RuntimeError:", " ".join(str(refusal).split()))
+
+# %%
+# With ``tie_weights=True`` (the default) a tensor passed under one name of a tied parameter is
+# used under all of them: here two layers share one weight, registered once as ``0.weight``.
+first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+second.weight = first.weight
+tied = nn.Sequential(first, nn.Tanh(), second).to(device)
+w, v = torch.randn(3, 3, device=device), torch.randn(4, 3, device=device)
+close_to("tied: one tensor for both names", functional_call(tied, {"0.weight": w}, (v,)),
+         torch.tanh(v @ w.T) @ w.T, 1e-6)  # fmt: skip
+
+
+# %%
+# Training with ``grad_and_value`` and a ``torch.optim`` optimiser
+# ----------------------------------------------------------------
+# An optimiser takes any leaf tensors, here the dict's own (they need not require grad). Each
+# step writes the gradients into their ``.grad`` and calls ``step()``, which updates them in
+# place for the next ``functional_call``; BatchNorm updates the buffers' dict. The reference:
+# a copy trained with ``loss.backward()`` and the same optimiser, batches and seeds (Dropout
+# drops alike), each tensor compared after each step. Training a subset of the parameters:
+# :ref:`sphx_glr_auto_examples_models_as_functions_plot_choosing_what_to_differentiate.py`.
+batches = [(torch.randn(32, FEATURES).to(device), torch.randint(0, CLASSES, (32,)).to(device))
+           for _ in range(6)]  # fmt: skip
+
+
+def ordinary_training(make_optimiser):
+    """The state after each step of loss.backward() and optimiser.step() on a copy."""
+    reference = copy.deepcopy(model).train()
+    reference.load_state_dict(other)
+    optimiser = make_optimiser(reference.parameters())
+    states = []
+    for step, (x, y) in enumerate(batches):
+        torch.manual_seed(100 + step)
+        optimiser.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimiser.step()
+        states.append(copy.deepcopy(reference.state_dict()))
+    return states
+
+
+def worst_after_each_step(label, states, reference_states, bound):
+    for step, (state, expected) in enumerate(zip(states, reference_states)):
+        errors = {name: ((state[name] - want).norm() / want.norm()).item()
+                  for name, want in expected.items() if want.is_floating_point()}  # fmt: skip
+        top = max(errors, key=errors.get)
+        print(f"{label}, step {step + 1}: worst {top}, error {errors[top]:.1e}")
+        for name, off in errors.items():
+            assert off < bound, f"{label}, step {step + 1}: {name} off by {off:.1e}"
+        tracked = state["norm.num_batches_tracked"]
+        assert tracked == expected["norm.num_batches_tracked"] == step + 1, tracked
+    print(f"{label}: every tensor within {bound:.0e} after each of {len(states)} steps")
+
+
+model.train()
+trained = {name: t.clone() for name, t in params.items()}
+running = {name: t.clone() for name, t in other.items() if name not in params}
+adam = torch.optim.Adam(trained.values(), lr=1e-2)
+states = []
+for step, (x, y) in enumerate(batches):
+    torch.manual_seed(100 + step)
+    grads, loss = grad_and_value(batch_loss)(trained, running, x, y)
+    for name, t in trained.items():
+        t.grad = grads[name]
+    adam.step()
+    states.append({name: t.clone() for name, t in (trained | running).items()})
+worst_after_each_step("Adam on the dict", states,
+                      ordinary_training(lambda p: torch.optim.Adam(p, lr=1e-2)), 1e-5)  # fmt: skip
+
+# %%
+# Or no optimiser object: plain SGD builds a new dict each step, ``θ ← θ − lr·g``. The
+# reference is ``torch.optim.SGD`` with the same learning rate.
+by_hand = {name: t.clone() for name, t in params.items()}
+running = {name: t.clone() for name, t in other.items() if name not in params}
+states = []
+for step, (x, y) in enumerate(batches):
+    torch.manual_seed(100 + step)
+    grads = grad(batch_loss)(by_hand, running, x, y)
+    by_hand = {name: t - 0.1 * grads[name] for name, t in by_hand.items()}
+    states.append(by_hand | {name: t.clone() for name, t in running.items()})
+worst_after_each_step("SGD by hand", states,
+                      ordinary_training(lambda p: torch.optim.SGD(p, lr=0.1)), 1e-5)  # fmt: skip
+
+
+# %%
+# How fast is it?
+# ---------------
+# Six routes at four batch sizes, in training mode (Dropout and BatchNorm at work). Forward
+# only: the module's own call, and ``functional_call`` with the module's own parameters, so
+# the difference is the swap itself. One gradient of the batch loss: ``loss.backward()`` (after
+# clearing ``.grad``), :func:`torch.autograd.grad`, ``func.grad`` and ``func.grad_and_value``.
+SIZES = [4, 64, 512, 4096]
+model.load_state_dict(other)
+weights = dict(model.named_parameters())
+detached = {name: t.detach() for name, t in weights.items()}
+timing_buffers = {name: t.detach().clone() for name, t in model.named_buffers()}
+gradient_of, gradient_and_loss_of = grad(batch_loss), grad_and_value(batch_loss)
+
+
+def routes_for(x, y):
+    def backward():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    return {
+        "module call": lambda: model(x),
+        "functional_call": lambda: functional_call(model, weights, (x,)),
+        "loss.backward()": backward,
+        "autograd.grad": lambda: torch.autograd.grad(
+            F.cross_entropy(model(x), y), list(weights.values())),
+        "func.grad": lambda: gradient_of(detached, timing_buffers, x, y),
+        "func.grad_and_value": lambda: gradient_and_loss_of(detached, timing_buffers, x, y),
+    }  # fmt: skip
+
+
+def measure_in_turns(routes, turns=3):  # in turns: a burst of load hits all routes
+    timers = {name: benchmark.Timer("fn()", globals={"fn": fn},
+                                    num_threads=torch.get_num_threads())
+              for name, fn in routes.items()}  # fmt: skip
+    for fn in routes.values():
+        fn(), fn()  # warm-up
+    runs = {name: [] for name in routes}
+    for _ in range(turns):
+        for name, timer in timers.items():
+            runs[name].append(timer.blocked_autorange(min_run_time=0.03))
+    return {name: benchmark.Measurement.merge(runs[name])[0] for name in routes}
+
+
+def us(seconds):  # enough digits that a small spread does not print as zero
+    return f"{seconds * 1e6:.1f}" if seconds >= 1e-6 else f"{seconds * 1e6:.2g}"
+
+
+times = {name: {} for name in METHOD_COLORS}
+for size in SIZES:
+    x = torch.randn(size, FEATURES).to(device)
+    y = torch.randint(0, CLASSES, (size,)).to(device)
+    for name, measured in measure_in_turns(routes_for(x, y)).items():
+        times[name][size] = measured
+        spread = f"IQR {us(measured.iqr)} µs, {len(measured.times)} blocks"
+        print(f"batch {size:4d}  {name:19s} {us(measured.median):>8s} µs ({spread})")
+
+
+# %%
+# A fixed cost per call, or a cost per sample?
+# --------------------------------------------
+# A straight line through the three smaller batches' medians, ``t ≈ a + b·B``, splits each
+# route's time into a fixed cost per call, the intercept ``a``, and a cost per sample, the slope
+# ``b``. Two routes that differ in ``a`` and not in ``b`` differ by a fixed price per call, which
+# weighs most on a small model or batch and fades, relative to the rest, as the batch grows.
+fitted = SIZES[:3]
+lines = {}
+for name, by_size in times.items():
+    slope, intercept = np.polyfit(fitted, [by_size[s].median * 1e6 for s in fitted], 1)
+    lines[name] = intercept, slope
+    print(f"{name:19s} fixed {intercept:6.1f} µs + {slope:.3f} µs per sample "
+          f"(a fit to medians whose IQRs are printed above)")  # fmt: skip
+
+
+def relative(a, b, size):  # a ratio from the same run, worded by its value
+    ratio = times[a][size].median / times[b][size].median
+    if ratio >= 0.995:  # 1.00x when rounded: "takes 1.00x the time", not "1.00x faster"
+        return f"takes {ratio:.2f}x the time of {b}"
+    return f"is {1 / ratio:.2f}x faster than {b}"
+
+
+for a, b in [("functional_call", "module call"), ("func.grad", "autograd.grad"),
+             ("func.grad", "loss.backward()"), ("func.grad_and_value", "func.grad")]:  # fmt: skip
+    extra, slopes = lines[a][0] - lines[b][0], lines[a][1] / lines[b][1]
+    print(f"{a} vs {b}: intercept {extra:+.1f} µs (medians' IQRs above), slope ratio "
+          f"{slopes:.2f}; {a} {relative(a, b, SIZES[0])} at batch {SIZES[0]}, "
+          f"{relative(a, b, SIZES[-1])} at batch {SIZES[-1]}")  # fmt: skip
+(a_grad, b_grad), (a_autograd, b_autograd) = lines["func.grad"], lines["autograd.grad"]
+fixed = a_grad > a_autograd and 2 / 3 < b_grad / b_autograd < 3 / 2
+print("verdict: func.grad's extra time is " + ("mostly a fixed cost per call" if fixed
+      else "not split cleanly into fixed and per-sample cost on this run"))  # fmt: skip
+
+# %%
+# The figure: every route's median time per call against the batch size, both axes
+# logarithmic, whiskers from the first to the third quartile of the blocks' times. Forward
+# passes on the left, one gradient on the right.
+fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True, layout="constrained")
+for name, by_size in times.items():
+    panel = axes[0] if name in ("module call", "functional_call") else axes[1]
+    medians = np.array([by_size[s].median * 1e6 for s in SIZES])
+    quartiles = [np.percentile(by_size[s].times, [25, 75]) for s in SIZES]
+    low, high = np.array(quartiles).T * 1e6
+    second = name in ("autograd.grad", "func.grad_and_value")  # dashed over its twin
+    panel.errorbar(SIZES, medians, yerr=[medians - low, high - medians], marker="o", capsize=3,
+                   color=METHOD_COLORS[name], label=name, ls="--" if second else "-")  # fmt: skip
+for panel, what in zip(axes, ["forward pass", "one gradient of the batch loss"]):
+    panel.set(xscale="log", yscale="log", xlabel="batch size", title=what)
+    panel.legend(fontsize="small")
+axes[0].set_ylabel("median time per call (µs)")
+fig.suptitle(f"{device.type.upper()}: time per call against batch size")
+plt.show()
+
+# %%
+# **Reading the numbers.** Where ``func.grad``'s slope is close to ``autograd.grad``'s and its
+# intercept higher (the verdict above is printed from this run's numbers), its extra time is a
+# fixed cost per call: a large share of a small model's step, a small share of a large batch's.
+# What that cost is made of, the page does not measure. For one gradient of a batch loss on a
+# small model, ``loss.backward()`` or :func:`torch.autograd.grad` then costs less; ``func.grad``
+# earns its price where it composes (``vmap`` for per-sample gradients, ``jacrev``, ...).
+
+# %%
+# What to remember
+# ----------------
+# * ``functional_call(model, tensors, (x,))`` runs the module with your tensors and follows the
+#   module's own ``train()``/``eval()`` flag; seed the global generator to repeat Dropout.
+# * In training mode BatchNorm writes its running statistics in place into the tensors you
+#   passed (unbiased variance, ``num_batches_tracked`` + 1); names you did not pass fall back to
+#   the module's own, which are then written.
+# * Pass buffers as a dict that ``grad`` does not differentiate; use ``strict=True`` to catch a
+#   misspelt name, which is otherwise ignored.
+# * ``grad_and_value`` plus ``.grad = g`` and ``optimiser.step()`` on the dict's tensors trains
+#   as ``loss.backward()`` does, step for step (same seeds for Dropout).
+# * Measured here, ``func.grad``'s extra time is a fixed cost per call: for one gradient on a
+#   small model, ``loss.backward()`` costs less; ``func.grad`` pays off where it composes.
