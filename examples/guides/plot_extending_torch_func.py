@@ -4,11 +4,9 @@ Extending ``torch.func``: custom autograd Functions under transforms
 
 When a function cannot be written with PyTorch operators (it calls NumPy or a C library, or its
 gradient needs a formula autograd would not find), a custom :class:`torch.autograd.Function`
-supplies the forward and the derivatives by hand. Under the transforms it needs a forward without
-``ctx`` plus a ``setup_context``; ``vmap`` and ``jacfwd`` need a ``vmap`` staticmethod or
-``generate_vmap_rule = True``, forward mode a ``jvp`` staticmethod. Each is checked, and broken
-once; then come batching rules by hand, saved intermediates, in-place Functions,
-``once_differentiable`` and custom ops.
+supplies the forward and the derivatives by hand. The transforms ask for a few more pieces, each
+checked here and broken once; then come NumPy in ``backward``, batching rules by hand, saved
+intermediates, in-place Functions, ``once_differentiable``, custom ops and ``torch.compile``.
 """
 
 import textwrap
@@ -33,9 +31,9 @@ x = torch.linspace(-2, 2, 9, device=device, dtype=torch.float64)  # float64: gra
 # * ``forward(x)`` computes the output, with no ``ctx``;
 # * ``setup_context`` saves the output, which both derivatives need: ``save_for_backward`` for
 #   reverse mode, ``save_for_forward`` for forward mode;
-# * ``backward``, the vector-Jacobian product ``g · (1 − y²)``, in PyTorch operators: under
-#   ``grad`` it gets the transforms' tensors, which NumPy cannot read, and ``hessian``
-#   differentiates it again; ``jvp``, the Jacobian-vector product ``t · (1 − y²)``;
+# * ``backward``, the vector-Jacobian product ``g · (1 − y²)``, in PyTorch operators or other
+#   Functions: under ``grad`` it gets the transforms' tensors, which NumPy cannot read, and
+#   ``hessian`` differentiates it again; ``jvp``, the Jacobian-vector product ``t · (1 − y²)``;
 # * ``vmap`` runs a batch: tanh is element-wise, so the batch goes through the same NumPy call
 #   and comes out batched along the same dimension.
 
@@ -72,21 +70,28 @@ print("vmap(grad(NumpyTanh.apply)) at", x.tolist(), "\n", through_grad)
 # Checked against the closed forms
 # --------------------------------
 # Every transform must agree with tanh's derivative ``1 − tanh²`` and second derivative
-# ``−2 tanh (1 − tanh²)``, computed with ``torch.tanh``; ``vmap`` over dimension 1 checks that the
-# rule returns the batch dimension it was given. :func:`torch.autograd.gradcheck` compares the
-# derivatives with finite differences, in reverse and (``check_forward_ad=True``) forward mode;
+# ``−2 tanh (1 − tanh²)``, computed with ``torch.tanh``, to float64 rounding (``check``; the page
+# ends printing the largest error); ``vmap`` over dimension 1 checks that the rule returns the
+# batch dimension it was given. :func:`torch.autograd.gradcheck` compares the derivatives with
+# finite differences, in reverse and (``check_forward_ad=True``) forward mode;
 # :func:`torch.autograd.gradgradcheck` checks the derivative of the backward pass.
+errors = []
+
+
+def check(actual, expected, bound=1e-14):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=bound)
+    errors.append((actual - expected).abs().max().item())
+
+
 exact_first = 1 - torch.tanh(x) ** 2
 exact_second = -2 * torch.tanh(x) * exact_first
-_, through_jvp = jvp(NumpyTanh.apply, (x,), (torch.ones_like(x),))
-(through_vjp,) = vjp(NumpyTanh.apply, x)[1](torch.ones_like(x))
-for result in (through_grad, through_jvp, through_vjp):
-    torch.testing.assert_close(result, exact_first)
-torch.testing.assert_close(jacrev(NumpyTanh.apply)(x), torch.diag(exact_first))
-torch.testing.assert_close(jacfwd(NumpyTanh.apply)(x), torch.diag(exact_first))
-torch.testing.assert_close(vmap(hessian(NumpyTanh.apply))(x), exact_second)
-tile = x.reshape(3, 3)
-torch.testing.assert_close(vmap(NumpyTanh.apply, in_dims=1)(tile), torch.tanh(tile).T)
+check(through_grad, exact_first)
+check(jvp(NumpyTanh.apply, (x,), (torch.ones_like(x),))[1], exact_first)
+check(vjp(NumpyTanh.apply, x)[1](torch.ones_like(x))[0], exact_first)
+check(jacrev(NumpyTanh.apply)(x), torch.diag(exact_first))
+check(jacfwd(NumpyTanh.apply)(x), torch.diag(exact_first))
+check(vmap(hessian(NumpyTanh.apply))(x), exact_second)
+check(vmap(NumpyTanh.apply, in_dims=1)(x.view(3, 3)), torch.tanh(x.view(3, 3)).T)
 x_leaf = (x.clone().requires_grad_(),)
 assert torch.autograd.gradcheck(NumpyTanh.apply, x_leaf, check_forward_ad=True)
 assert torch.autograd.gradgradcheck(NumpyTanh.apply, x_leaf)
@@ -98,7 +103,10 @@ print("grad, vmap, jvp, vjp, jacrev, jacfwd, hessian agree; gradcheck passes")
 # Each missing piece has its own error, naming what is missing. A Function in the older style,
 # ``ctx`` first in ``forward`` (still documented, fine for plain autograd), works with
 # ``backward()`` but not under the transforms; one that saves an intermediate from ``forward``
-# converts as ``TopKSum`` does, below.
+# converts as ``TopKSum`` does, below. Without a ``vmap`` staticmethod (or a generated rule)
+# ``vmap`` refuses, and so does ``jacfwd`` (so ``hessian`` too), which runs its Jacobian-vector
+# products under ``vmap``; without a ``jvp`` staticmethod forward mode refuses. Reverse mode alone
+# works.
 
 
 def expect_error(fn, error_type, fragment):
@@ -116,39 +124,61 @@ class DoubleOldStyle(torch.autograd.Function):
     backward = staticmethod(lambda ctx, grad_output: 2 * grad_output)
 
 
-leaf = x.clone().requires_grad_()
-DoubleOldStyle.apply(leaf).sum().backward()
-torch.testing.assert_close(leaf.grad, torch.full_like(x, 2.0))
-expect_error(lambda: vmap(DoubleOldStyle.apply)(x), RuntimeError, "setup_context")
-
-# %%
-# Without a ``vmap`` staticmethod (or a generated rule) ``vmap`` refuses, and so does ``jacfwd``
-# (so ``hessian`` too), which runs its Jacobian-vector products under ``vmap``; without a
-# ``jvp`` staticmethod forward mode refuses. Reverse mode alone works. A ``backward`` that reads
-# its tensors with NumPy suits plain autograd, not ``grad``: its tensors have no storage.
-
-
 class TanhWithoutVmapOrJvp(torch.autograd.Function):
     forward = NumpyTanh.forward
     setup_context = NumpyTanh.setup_context
     backward = NumpyTanh.backward
 
 
-class TanhNumpyBackward(NumpyTanh):  # the same slope, 1 − y², computed in NumPy
-    @staticmethod
-    def backward(ctx, grad_output):
-        y = ctx.saved_tensors[0].detach().cpu().numpy()
-        return grad_output * torch.as_tensor(1 - y * y, device=grad_output.device)
-
-
+leaf = x.clone().requires_grad_()
+DoubleOldStyle.apply(leaf).sum().backward()
+check(leaf.grad, torch.full_like(x, 2.0))
+expect_error(lambda: vmap(DoubleOldStyle.apply)(x), RuntimeError, "setup_context")
 bare = TanhWithoutVmapOrJvp.apply
-torch.testing.assert_close(grad(lambda t: bare(t).sum())(x), exact_first)
+check(grad(lambda t: bare(t).sum())(x), exact_first)
 expect_error(lambda: vmap(bare)(x), RuntimeError, "generate_vmap_rule")
 expect_error(lambda: jvp(bare, (x,), (x,)), NotImplementedError, "implement the jvp")
 expect_error(lambda: jacfwd(bare)(x), RuntimeError, "generate_vmap_rule")
+
+# %%
+# A ``backward`` that reads its tensors with NumPy suits plain autograd, not ``grad``: there they
+# have no storage. To keep NumPy, call it through another Function with its own derivatives,
+# whose ``apply`` hands ``forward`` plain tensors. ``NumpySlope`` computes ``1 − y²`` in NumPy;
+# ``grad`` of ``grad`` runs its ``backward``, ``hessian`` its ``jvp``, ``vmap`` its rule.
+
+
+class NumpySlope(torch.autograd.Function):  # 1 − y² in NumPy; its derivative: −2y
+    @staticmethod
+    def forward(y):
+        return torch.as_tensor(1 - y.detach().cpu().numpy() ** 2, device=y.device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    backward = staticmethod(lambda ctx, g: -2 * ctx.saved_tensors[0] * g)
+    jvp = backward  # element-wise: the same product
+    vmap = staticmethod(lambda info, in_dims, y: (NumpySlope.apply(y), in_dims[0]))
+
+
+class TanhNumpyBackward(NumpyTanh):  # NumpySlope's NumPy code, called directly
+    backward = staticmethod(lambda ctx, g: g * NumpySlope.forward(ctx.saved_tensors[0]))
+
+
+class TanhSlopeBackward(NumpyTanh):  # the same code, through NumpySlope.apply
+    backward = staticmethod(lambda ctx, g: g * NumpySlope.apply(ctx.saved_tensors[0]))
+
+
 assert torch.autograd.gradcheck(TanhNumpyBackward.apply, x_leaf)  # plain autograd: fine
 numpy_grad = grad(lambda t: TanhNumpyBackward.apply(t).sum())
 expect_error(lambda: numpy_grad(x), RuntimeError, "doesn't have storage")
+through_slope = TanhSlopeBackward.apply
+check(grad(lambda t: through_slope(t).sum())(x), exact_first)
+check(vmap(grad(through_slope))(x), exact_first)
+check(vmap(grad(grad(through_slope)))(x), exact_second)  # NumpySlope's backward
+check(vmap(hessian(through_slope))(x), exact_second)  # its jvp
+check(vmap(NumpySlope.apply, in_dims=1)(x.view(3, 3)), (1 - x.view(3, 3) ** 2).T)
 
 # %%
 # A generated ``vmap`` rule
@@ -160,36 +190,20 @@ expect_error(lambda: numpy_grad(x), RuntimeError, "doesn't have storage")
 
 class SoftClip(torch.autograd.Function):
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x / (1 + x.abs())
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (x,) = ctx.saved_tensors
-        return grad_output / (1 + x.abs()) ** 2
-
-    @staticmethod
-    def jvp(ctx, tangent):
-        (x,) = ctx.saved_tensors
-        return tangent / (1 + x.abs()) ** 2
+    forward = staticmethod(lambda x: x / (1 + x.abs()))
+    setup_context = NumpySlope.setup_context  # saves x, for both modes
+    backward = staticmethod(lambda ctx, g: g / (1 + ctx.saved_tensors[0].abs()) ** 2)
+    jvp = backward  # element-wise, as in NumpySlope
 
 
 batch = torch.randn(4, 9, device=device, dtype=torch.float64)
 soft_slope = 1 / (1 + batch.abs()) ** 2
-torch.testing.assert_close(vmap(SoftClip.apply)(batch), batch / (1 + batch.abs()))
-torch.testing.assert_close(vmap(vmap(grad(SoftClip.apply)))(batch), soft_slope)
-torch.testing.assert_close(vmap(jacfwd(SoftClip.apply))(batch), soft_slope.diag_embed())
+check(vmap(SoftClip.apply)(batch), batch / (1 + batch.abs()))
+check(vmap(vmap(grad(SoftClip.apply)))(batch), soft_slope)
+check(vmap(jacfwd(SoftClip.apply))(batch), soft_slope.diag_embed())
 soft_leaf = (batch[0].clone().requires_grad_(),)
 assert torch.autograd.gradcheck(SoftClip.apply, soft_leaf, check_forward_ad=True)
 assert torch.autograd.gradgradcheck(SoftClip.apply, soft_leaf)
-print("SoftClip: generated vmap rule, grad, jacfwd, gradcheck and gradgradcheck agree")
 
 # %%
 # A batching rule by hand, for a Function of two inputs
@@ -200,7 +214,9 @@ print("SoftClip: generated vmap rule, grad, jacfwd, gradcheck and gradgradcheck 
 # runs the Function once on the batch and returns the output's batch dimension. The expansion
 # matters in nested ``vmap``: an input the outer level does not map holds the inner batch first,
 # which ``np.matmul`` would pair with the outer batch. ``backward`` and ``jvp`` see the batch:
-# ``...``.
+# ``...``. The reference for every batching (dimensions elsewhere, an unmapped input, nested) is
+# a loop of ``A @ v``; for ``u · (A v)`` the gradient is ``u vᵀ`` for ``A`` and ``Aᵀ u`` for
+# ``v``; the Jacobian in ``v`` is ``A``.
 
 
 class NumpyMatVec(torch.autograd.Function):
@@ -235,37 +251,30 @@ class NumpyMatVec(torch.autograd.Function):
         return NumpyMatVec.apply(A, v), 0  # the output, and its batch dimension
 
 
-# The reference for every batching is a loop of ``A @ v``: batch dimensions elsewhere, an
-# unmapped input, both nested. For ``u · (A v)`` the gradient is ``u vᵀ`` for ``A`` and ``Aᵀ u``
-# for ``v``; the Jacobian in ``v`` is ``A``. ``grad`` and ``jvp`` of a ``vmap`` run on the batch.
 matrices = torch.randn(4, 3, 5, device=device, dtype=torch.float64)
 vectors = torch.randn(4, 5, device=device, dtype=torch.float64)
 weights = torch.randn(3, device=device, dtype=torch.float64)
 matvec, A0, v0 = NumpyMatVec.apply, matrices[0], vectors[0]
 loop = torch.stack([A @ v for A, v in zip(matrices, vectors)])
-torch.testing.assert_close(vmap(matvec)(matrices, vectors), loop)
-moved = vmap(matvec, in_dims=(2, 1))(matrices.permute(1, 2, 0), vectors.T)
-torch.testing.assert_close(moved, loop)
+check(vmap(matvec)(matrices, vectors), loop)
+check(vmap(matvec, in_dims=(2, 1))(matrices.permute(1, 2, 0), vectors.T), loop)
 all_pairs = vmap(vmap(matvec, in_dims=(None, 0)), in_dims=(0, None))(matrices, vectors)
 pairs_loop = torch.stack([torch.stack([A @ v for v in vectors]) for A in matrices])
-torch.testing.assert_close(all_pairs, pairs_loop)  # needs the expand
-
+check(all_pairs, pairs_loop)  # needs the expand
 weighted = grad(lambda A, v: weights @ matvec(A, v), argnums=(0, 1))
 grad_A, grad_v = vmap(weighted)(matrices, vectors)
-torch.testing.assert_close(grad_A, weights[None, :, None] * vectors[:, None, :])
-torch.testing.assert_close(grad_v, matrices.transpose(1, 2) @ weights)
+check(grad_A, weights[None, :, None] * vectors[:, None, :])
+check(grad_v, matrices.transpose(1, 2) @ weights)
 summed = grad(lambda A: vmap(matvec, in_dims=(None, 0))(A, vectors).sum())(A0)
-torch.testing.assert_close(summed, torch.ones(3, 1, device=device) * vectors.sum(0))
+check(summed, torch.ones(3, 1, device=device) * vectors.sum(0))
 A_dot, v_dot = torch.randn_like(matrices), torch.randn_like(vectors)
 _, pushed = jvp(vmap(matvec), (matrices, vectors), (A_dot, v_dot))
-expected = (A_dot @ vectors[..., None] + matrices @ v_dot[..., None])[..., 0]
-torch.testing.assert_close(pushed, expected)
+check(pushed, (A_dot @ vectors[..., None] + matrices @ v_dot[..., None])[..., 0])
 for jacobian in (jacrev, jacfwd):
-    torch.testing.assert_close(jacobian(matvec, argnums=1)(A0, v0), A0)
+    check(jacobian(matvec, argnums=1)(A0, v0), A0)
 inputs = (A0.clone().requires_grad_(), v0.clone().requires_grad_())
 assert torch.autograd.gradcheck(matvec, inputs, check_forward_ad=True)
 assert torch.autograd.gradgradcheck(matvec, inputs)
-print("NumpyMatVec: each vmap, grad, jvp, jacrev, jacfwd and gradcheck agree")
 
 # %%
 # An intermediate to save, and an argument that is not a tensor
@@ -274,7 +283,8 @@ print("NumpyMatVec: each vmap, grad, jvp, jacrev, jacfwd and gradcheck agree")
 # which ``setup_context`` marks with ``ctx.mark_non_differentiable`` and saves. ``TopKSum`` adds
 # the ``k`` largest entries of each row (``k`` a Python int); its intermediate is their mask. For
 # ``k``, ``in_dims`` holds ``None``, ``jvp`` receives ``None``, ``backward`` returns ``None``. The
-# ``vmap`` rule returns one batch dimension per output; ``vmap``'s ``out_dims`` places each output.
+# ``vmap`` rule returns one batch dimension per output; ``vmap``'s ``out_dims`` places each. The
+# references: a loop of ``sort``, and the mask from ``torch.topk``, which is the sum's gradient.
 
 
 class TopKSum(torch.autograd.Function):
@@ -302,34 +312,34 @@ class TopKSum(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, k):  # in_dims: (the dimension of x, None)
-        outputs = TopKSum.apply(x.movedim(in_dims[0], 0), k)
-        return outputs, (0, 0)  # one batch dimension per output
+        return TopKSum.apply(x.movedim(in_dims[0], 0), k), (0, 0)  # one per output
 
 
-# The references: a loop of ``sort`` per row, and the mask built with ``torch.topk``, which is
-# the gradient of the sum and contracts the tangent in ``jvp``.
 scores = torch.randn(4, 7, device=device, dtype=torch.float64)
 top3 = lambda s: TopKSum.apply(s, 3)[0]  # noqa: E731
 mask = torch.zeros_like(scores).scatter(-1, scores.topk(3).indices, 1.0)
 sums, masks = vmap(TopKSum.apply, in_dims=(1, None), out_dims=(0, 1))(scores.T, 3)
 by_sorting = torch.stack([s.sort().values[-3:].sum() for s in scores])
-torch.testing.assert_close(sums, by_sorting)
-torch.testing.assert_close(masks, mask.T)
-torch.testing.assert_close(vmap(grad(top3))(scores), mask)
+check(sums, by_sorting)
+check(masks, mask.T)
+check(vmap(grad(top3))(scores), mask)
 _, pushed = jvp(vmap(top3), (scores,), (batch[:, :7],))
-torch.testing.assert_close(pushed, (batch[:, :7] * mask).sum(-1))
+check(pushed, (batch[:, :7] * mask).sum(-1))
 score_leaf = scores[0].clone().requires_grad_()
-chosen = TopKSum.apply(score_leaf, 3)[1]
-assert not chosen.requires_grad  # marked, so not differentiable
+assert not TopKSum.apply(score_leaf, 3)[1].requires_grad  # marked: not differentiable
 assert torch.autograd.gradcheck(top3, (score_leaf,), check_forward_ad=True)
-print("TopKSum: vmap, grad, jvp and gradcheck agree; the mask is not differentiable")
 
 # %%
 # Two features that need care
 # ---------------------------
-# An in-place Function marks its input with ``ctx.mark_dirty``. It runs under ``grad``, but a
+# An in-place Function marks its input with ``ctx.mark_dirty``. It runs under ``grad`` on a copy
+# (on ``grad``'s input itself, a leaf, autograd raises), but a
 # generated ``vmap`` rule refuses it, with a message that misleads: the input *is* returned. Fix:
 # rewrite it out of place, or write its ``vmap`` staticmethod by hand, which composes with ``grad``.
+#
+# A ``backward`` under ``once_differentiable`` runs in ``no_grad``: nested ``grad`` takes its
+# result as a constant and silently drops every term through it (here all: 0; plain autograd may
+# raise, or not). ``hessian`` stays right: ``no_grad`` does not stop forward mode.
 
 
 class DoubleInPlace(torch.autograd.Function):
@@ -344,35 +354,28 @@ class DoubleInPlaceByHand(DoubleInPlace):  # the whole batch doubled in place
     vmap = staticmethod(lambda info, dims, x: (DoubleInPlaceByHand.apply(x), dims[0]))
 
 
-in_place = grad(lambda t: DoubleInPlace.apply(t.clone()).sum())(x)  # t itself: a leaf
-torch.testing.assert_close(in_place, torch.full_like(x, 2.0))
-expect_error(lambda: vmap(DoubleInPlace.apply)(batch.clone()), RuntimeError, "as dirty")
-doubled = batch.clone()
-torch.testing.assert_close(vmap(DoubleInPlaceByHand.apply)(doubled), 2 * batch)
-torch.testing.assert_close(doubled, 2 * batch)  # written in place
-by_hand = vmap(grad(lambda t: DoubleInPlaceByHand.apply(t.clone()).sum()))(batch)
-torch.testing.assert_close(by_hand, torch.full_like(batch, 2.0))
-
-# %%
-# A ``backward`` under ``once_differentiable`` runs in ``no_grad``: nested ``grad`` takes its
-# result as a constant and silently drops every term through it (here all: 0; plain autograd may
-# raise, or not). ``hessian`` stays right: ``no_grad`` does not stop forward mode.
-
-
 class TanhOnce(NumpyTanh):  # its vmap rule runs NumpyTanh, below the grad levels
     backward = staticmethod(once_differentiable(NumpyTanh.backward))
 
 
+check(grad(lambda t: DoubleInPlace.apply(t.clone()).sum())(x), torch.full_like(x, 2.0))
+on_leaf = grad(lambda t: DoubleInPlace.apply(t).sum())  # no clone
+expect_error(lambda: on_leaf(x.clone()), RuntimeError, "a leaf Variable that requires")
+expect_error(lambda: vmap(DoubleInPlace.apply)(batch.clone()), RuntimeError, "as dirty")
+doubled = batch.clone()
+check(vmap(DoubleInPlaceByHand.apply)(doubled), 2 * batch)
+check(doubled, 2 * batch)  # written in place
+by_hand = vmap(grad(lambda t: DoubleInPlaceByHand.apply(t.clone()).sum()))(batch)
+check(by_hand, torch.full_like(batch, 2.0))
 second = vmap(grad(grad(TanhOnce.apply)))(x)
-torch.testing.assert_close(vmap(grad(TanhOnce.apply))(x), exact_first)
-torch.testing.assert_close(vmap(hessian(TanhOnce.apply))(x), exact_second)
+check(vmap(grad(TanhOnce.apply))(x), exact_first)
+check(vmap(hessian(TanhOnce.apply))(x), exact_second)
 print(f"once_differentiable, grad(grad): largest |second derivative| {second.abs().max():.2f}"
       f", where −2 tanh (1 − tanh²) reaches {exact_second.abs().max():.2f}")  # fmt: skip
 assert (second == 0).all() and exact_second.abs().max() > 0.5
 leaf = x.clone().requires_grad_()
 (slope,) = torch.autograd.grad(TanhOnce.apply(leaf).sum(), leaf, create_graph=True)
-again = lambda: torch.autograd.grad(slope.sum(), leaf)  # noqa: E731
-expect_error(again, RuntimeError, "element 0 of tensors does not require grad")
+expect_error(lambda: torch.autograd.grad(slope.sum(), leaf), RuntimeError, "grad_fn")
 
 # %%
 # ``autograd.Function`` or ``torch.library.custom_op``?
@@ -383,9 +386,12 @@ expect_error(again, RuntimeError, "element 0 of tensors does not require grad")
 # plain autograd work, but ``grad`` refuses the op with the old-style Function's error (reported
 # for ``grad`` and ``jacrev``: pytorch#168393, pytorch#179652), and ``jvp`` and ``jacfwd`` return
 # a zero tangent, silently. So: an ``autograd.Function`` for ``torch.func``'s derivatives; a
-# custom op for ``torch.compile``, ``vmap`` and ``backward()``. Compiled, ``grad`` of a Function
-# differentiates its forward and ignores ``backward``, silently (pytorch#193279; ``jvp``:
-# pytorch#192985): through ``NumpyTanh``'s detached forward, zeros. Keep that out of the compile.
+# custom op for ``torch.compile``, ``vmap`` and ``backward()``. In torch 2.13 a compiled ``grad``
+# of a Function ignores its ``backward`` (pytorch#193279, since closed; ``jvp``: pytorch#192985):
+# dynamo traces NumPy calls as torch operations, so it sees ``NumpyTanh``'s forward, which the
+# eager transforms cannot, and differentiates it, ``detach`` included: zeros, silently (a forward
+# it cannot trace fails to compile instead). Compile the loss and call ``backward()``: the graph
+# keeps the Function's own ``backward``, if it has no ``jvp`` staticmethod (dynamo refuses those).
 graph_ops = []  # what dynamo captured, recorded by the backend below, which runs it as is
 
 
@@ -402,10 +408,10 @@ def tanh_op(x: torch.Tensor) -> torch.Tensor:
 tanh_op.register_fake(torch.empty_like)
 tanh_op.register_autograd(NumpyTanh.backward, setup_context=NumpyTanh.setup_context)
 tanh_op.register_vmap(lambda info, in_dims, x: (tanh_op(x), in_dims[0]))
-torch.testing.assert_close(vmap(tanh_op, in_dims=1)(batch), torch.tanh(batch).T)
+check(vmap(tanh_op, in_dims=1)(batch), torch.tanh(batch).T)
 assert torch.autograd.gradcheck(tanh_op, x_leaf)  # plain autograd
 compiled = torch.compile(lambda t: tanh_op(t).sin(), backend=record, fullgraph=True)
-torch.testing.assert_close(compiled(x), torch.tanh(x).sin())
+check(compiled(x), torch.tanh(x).sin())
 print("torch.compile, one graph; its calls:", [str(op) for op in graph_ops])
 assert graph_ops == [torch.ops.extending.numpy_tanh.default, "sin"], graph_ops
 expect_error(lambda: grad(lambda t: tanh_op(t).sum())(x), RuntimeError, "setup_context")
@@ -418,6 +424,12 @@ assert not tangent.any() and not forward_jacobian.any() and exact_first.max() > 
 compiled_grad = grad(lambda t: NumpyTanh.apply(t).sum())
 compiled_grad = torch.compile(compiled_grad, backend=record, fullgraph=True)
 assert not compiled_grad(x).any() and exact_first.min() > 0  # eager grad: exact_first
+assert "detach" in graph_ops  # the forward, traced as torch operations
+leaf = x.clone().requires_grad_()
+torch.compile(lambda t: bare(t).sum(), backend=record, fullgraph=True)(leaf).backward()
+check(leaf.grad, exact_first)  # bare's own backward ran
+whole = torch.compile(lambda t: NumpyTanh.apply(t), backend=record, fullgraph=True)
+expect_error(lambda: whole(leaf), torch._dynamo.exc.Unsupported, "custom `jvp`")
 
 # %%
 # The two element-wise Functions and their derivatives

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.benchmark import Measurement, Timer
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +50,8 @@ def within(what, got, reference, bound):
 # :func:`~torch.func.grad` of the summed outputs. One product instead of ``n``. For a scalar
 # function applied entry by entry, ``vmap(grad(fn))`` says the same thing per entry. (Likewise
 # per sample: when sample ``b``'s loss sees only input ``b``, one gradient of the summed losses
-# holds every per-sample gradient; see
+# with respect to the *inputs* holds every sample's input gradient; not so for the parameters,
+# which every sample's loss sees. See
 # :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_batch_jacobians_hessians.py`.) The
 # check: SiLU, ``x σ(x)``, whose derivative is ``σ(x)(1 + x(1 − σ(x)))``, and the diagonal of
 # the full ``jacrev`` Jacobian.
@@ -60,10 +60,12 @@ _, diagonal_by_jvp = jvp(F.silu, (x,), (torch.ones_like(x),))
 diagonal_by_grad = grad(lambda y: F.silu(y).sum())(x)
 diagonal_by_vmap = vmap(grad(F.silu))(x)
 silu_slope = torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x)))  # closed form
+full_jacobian = jacrev(F.silu)(x)
 for name, got in [("one jvp along ones", diagonal_by_jvp),
                   ("grad of the sum", diagonal_by_grad),
                   ("vmap(grad) entry by entry", diagonal_by_vmap),
-                  ("jacrev's diagonal (of 40,000)", jacrev(F.silu)(x).diagonal())]:  # fmt: skip
+                  (f"jacrev's diagonal (of {full_jacobian.numel():,})",
+                   full_jacobian.diagonal())]:  # fmt: skip
     within(f"SiLU: {name}", got, silu_slope, 4 * EPS)
 print(f"products: 1 jvp (or 1 vjp) against {len(x)} for the full Jacobian")
 
@@ -99,9 +101,12 @@ assert off > 0.5, "the one-jvp trick should not give the diagonal here"
 # the ``i``-th entry of ``J e_i``, or, with :func:`~torch.func.vjp`, pull each basis vector
 # back: ``vjp`` returns the function ``u ↦ uᵀ J``, and :func:`~torch.func.vmap` over it runs
 # all ``n`` cotangents as one batched call (the *batched VJP* idiom: ``vmap(vjp_fn)`` over the
-# rows of a matrix gives those rows times ``J``). Either way it takes ``n`` products, as many as
-# the full Jacobian: what you save is what you keep, unless you know where ``J`` is zero (next
-# section). ``chunk_size`` runs the products that many at a time, to bound the memory.
+# rows of a matrix gives those rows times ``J``). Over the basis, that is what ``jacrev`` itself
+# runs: it builds all ``n`` rows of ``J``, ``n × n`` numbers, before you keep the diagonal, so
+# this route costs what ``jacrev(g)(x).diagonal()`` costs, in time and memory; the batched
+# ``jvp`` builds the ``n`` columns likewise. Only ``chunk_size``, which runs the products that
+# many at a time, bounds the memory; fewer products need to know where ``J`` is zero (next
+# section).
 basis = torch.eye(n, **f64)
 _, g_vjp = vjp(g, x)
 (rows,) = vmap(g_vjp)(basis)  # row i is e_iᵀ J; vjp_fn returns a tuple
@@ -193,34 +198,45 @@ within("... vs hessian(loss)'s diagonal", exact_diagonal, hessian(loss)(w).diago
 # price of noise: it pays when the diagonal dominates. (Summing the entries gives Hutchinson's
 # trace estimate; :ref:`sphx_glr_auto_examples_science_plot_forces_and_laplacians.py` uses it for
 # a Laplacian.) The probes come from a seeded CPU generator, so a GPU sees the same ones.
-S = 16
+S, B = 16, 8
 gen = torch.Generator().manual_seed(0)
-probes = (torch.randint(0, 2, (S, d), generator=gen) * 2 - 1).to(**f64)
-samples = probes * batched_hvp(w, probes)  # (S, d): v ⊙ H v for each probe
+probes = (torch.randint(0, 2, (B, S, d), generator=gen) * 2 - 1).to(**f64)
+samples = probes * batched_hvp(w, probes.reshape(B * S, d)).reshape(B, S, d)  # v ⊙ H v
 within("each probe's v ⊙ Hv vs the closed form", samples, probes * (probes @ H),
        8 * EPS * H.abs().sum(1).max())  # fmt: skip
-estimate = samples.mean(0)
+estimates = samples.mean(1)  # (B, d): B independent estimates, each of S probes
+estimate = estimates[0]  # the one you would use; the others serve the checks below
 off_diagonal = H.square().sum(1) - H.diagonal().square()  # Σ_{j≠i} H_ij²
 standard_error = (off_diagonal / S).sqrt()
-z_scores = (estimate - H.diagonal()) / standard_error
+z_scores = (estimates - H.diagonal()) / standard_error
 print(f"products: {d} for the exact diagonal, {S} for the estimate; a standard error is "
       f"{(standard_error / H.diagonal()).median():.1%} of the diagonal (median entry)")  # fmt: skip
 
 # %%
-# Two checks derived from that variance. Every entry lies within 4.5 standard errors (the
-# chance that one of 128 Gaussian errors strays further is printed). The mean squared z-score,
-# of expectation exactly 1, lies within 4 of its standard deviations of 1, which fails if the
-# standard error is too large: entries ``i`` and ``k`` correlate by ``H_ik² / √(Var_i Var_k)``
-# (as for the variance), and for correlated Gaussians that deviation is ``√2 ‖R‖_F / d``.
-stray = d * math.erfc(4.5 / math.sqrt(2))
-print(f"worst entry {z_scores.abs().max():.2f} standard errors off (bound 4.5; chance of "
-      f"any beyond it {stray:.1%})")  # fmt: skip
-assert (z_scores.abs() <= 4.5).all()
+# Three checks derived from that variance, on ``B`` independent estimates (``B S`` products in
+# all; only the first ``S`` make the estimate). Every entry lies within 5 standard errors (the
+# chance that one of the ``B d`` errors, were they Gaussian, strays further is printed). Entries
+# ``i`` and ``k`` of one estimate correlate by ``R_ik = H_ik² / √(Var_i Var_k)`` (as for the
+# variance), so for Gaussian errors the mean z-score, of expectation 0, has a standard deviation
+# ``√(Σ R_ik) / (d √B)``, and the mean squared z-score, of expectation exactly 1, one of
+# ``√2 ‖R‖_F / (d √B)``; each must lie within 4 such deviations of its expectation. A bias of one
+# sign moves the first, a standard error off by a factor the second: how far is printed.
+stray = B * d * math.erfc(5 / math.sqrt(2))
+print(f"worst entry {z_scores.abs().max():.2f} standard errors off (bound 5; chance of any "
+      f"beyond it {stray:.2%})")  # fmt: skip
+assert (z_scores.abs() <= 5).all()
 R = H.square() / (off_diagonal[:, None] * off_diagonal[None, :]).sqrt()
 R.diagonal().fill_(1)
-spread = math.sqrt(2) * torch.linalg.matrix_norm(R) / d
+mean_spread = R.sum().sqrt() / (d * math.sqrt(B))
+square_spread = math.sqrt(2) * torch.linalg.matrix_norm(R) / (d * math.sqrt(B))
+within("mean z-score vs its expectation, 0", z_scores.mean(), 0, 4 * mean_spread)
 within("mean squared z-score vs its expectation, 1", z_scores.square().mean(), 1,
-       4 * spread)  # fmt: skip
+       4 * square_spread)  # fmt: skip
+bias = 4 * mean_spread / standard_error.reciprocal().mean()  # one bias, all entries
+over, under = (1 - 4 * square_spread) ** -0.5, (1 + 4 * square_spread) ** -0.5
+print(f"in expectation they fail for a bias beyond {bias:.1e} (leaving out the penalty, "
+      f"-λ = {-lam:.0e}), or a standard error over {over:.2f}x or under {under:.2f}x "
+      f"the true one")  # fmt: skip
 
 
 # %%
@@ -266,7 +282,9 @@ print("polynomial: 4th derivative exactly 72 everywhere, 5th and 6th exactly 0")
 # k-th derivatives, of shape ``(m,) + (n,)*k``. ``jacfwd`` is the natural choice after the first
 # level, as each level's function has more outputs than inputs. For ``f(x) = exp(W x)`` the
 # closed form is ``T_{a i j…} = exp(W x)_a W_ai W_aj …``; the tensor is also symmetric under any
-# permutation of its input axes, which is checked on its own for every permutation.
+# permutation of its input axes, which is checked on its own for every permutation. So only one
+# entry per multiset of ``k`` input indices differs, ``C(n+k−1, k)`` per output: printed, with
+# the formula checked against a count of the sorted index tuples.
 def derivative_tensor(fn, k):
     for _ in range(k):
         fn = jacfwd(fn)
@@ -288,11 +306,16 @@ for k in range(1, 5):
     asymmetry = max((T.permute(0, *perm) - T).abs().max() for perm in perms)
     within(f"... changed by any permutation of its {k} input axes", asymmetry, 0,
            4 * EPS * T.abs().max())  # fmt: skip
+    distinct = math.comb(n + k - 1, k)
+    indices = itertools.product(range(n), repeat=k)
+    assert distinct == len({tuple(sorted(i)) for i in indices})
+    print(f"    {T.numel():,} entries, {m * distinct:,} distinct; one direction: {m}")
 
 # %%
-# ``torch.func`` has no Taylor mode, which propagates a truncated power series through a
-# function in one pass (JAX has one, ``jax.experimental.jet``): nothing named like it in
-# ``torch.func`` or ``torch.autograd.forward_ad``, whose dual numbers carry first order only.
+# A Taylor mode propagates ``k + 1`` coefficients of a power series in one pass, at a cost
+# polynomial in ``k`` (Griewank and Walther, *Evaluating Derivatives*); JAX has one,
+# ``jax.experimental.jet``. We found none in ``torch.func``: a name search finds no ``jet`` or
+# ``taylor`` there or in ``torch.autograd.forward_ad``, whose dual numbers carry one tangent.
 names = dir(torch.func) + dir(torch.autograd.forward_ad)
 assert not [name for name in names if "jet" in name or "taylor" in name.lower()]
 
@@ -322,64 +345,55 @@ for k in range(1, 5):
     within(f"exp(Wx): order {k} along v, vs closed form", got, closed,
            8 * EPS * closed.abs().max())  # fmt: skip
     within("... vs the full tensor contracted", got, contracted, 4 * EPS * scale.max())
-    print(f"    {m * n**k:,} numbers in the full tensor, {m} along one direction")
 
 
 # %%
 # Measuring: how the cost grows with the order
 # --------------------------------------------
-# First what runs. A ``TorchDispatchMode`` sees each operation below the transforms; it counts
-# them (views left out) and adds up the elements of their results, checked on a known case:
-# ``exp(W @ x)`` is 2 operations writing ``2 m`` elements, and a view adds nothing.
-class Work(TorchDispatchMode):
-    ops = written = 0  # per instance once counted
+# The sizes are printed above: the full tensor grows by ``n`` per order, one direction stays at
+# ``m`` numbers. What runs is harder to count. A ``TorchDispatchMode`` sees each operation below the
+# transforms, but also calls that compute nothing (views, shape checks, zero tensors that hold
+# no data), so this one counts a single kind we can count by hand: the matrix-vector products
+# (``aten.mv``), and those whose matrix is all zeros. Checked on known cases: ``W @ x`` and
+# ``zeros @ x`` are 2 products, 1 on zeros; one ``jvp`` of ``y ↦ W y`` along ``v`` needs ``W x``
+# and ``W v``, 2 products on a matrix that is not zero.
+class MatrixProducts(TorchDispatchMode):
+    products = on_zeros = 0  # per instance once counted
 
     def __torch_dispatch__(self, aten_op, types, args=(), kwargs=None):
-        result = aten_op(*args, **(kwargs or {}))
-        if not aten_op.is_view:
-            self.ops += 1
-            self.written += sum(t.numel() for t in tree_leaves(result)
-                                if isinstance(t, torch.Tensor))  # fmt: skip
-        return result
+        if aten_op is torch.ops.aten.mv.default:
+            self.products += 1
+            self.on_zeros += bool((args[0] == 0).all())  # is the matrix all zeros?
+        return aten_op(*args, **(kwargs or {}))
 
 
-with Work() as known:
-    torch.exp(W @ x).unsqueeze(0)
-assert (known.ops, known.written) == (2, 2 * m), (known.ops, known.written)
-orders = range(1, 7)
-routes = {"jacfwd": lambda k: derivative_tensor(expf, k),
-          "nested jvp": lambda k: directional_derivative(expf, k, v)}  # fmt: skip
-work = {name: [] for name in routes}
+with MatrixProducts() as known:
+    W @ x, torch.zeros_like(W) @ x
+assert (known.products, known.on_zeros) == (2, 1), (known.products, known.on_zeros)
+with MatrixProducts() as one_jvp:
+    jvp(lambda y: W @ y, (x,), (v,))
+assert one_jvp.products - one_jvp.on_zeros == 2, (one_jvp.products, one_jvp.on_zeros)
+orders = range(1, 6)  # up to 5, to keep the page's run short
 for k in orders:
-    for name, build in routes.items():
-        with Work() as counted:
-            build(k)(x)
-        work[name].append(counted)
-    print(f"order {k}: operations (elements written), full tensor {work['jacfwd'][-1].ops:,} "
-          f"({work['jacfwd'][-1].written:,}), nested jvp {work['nested jvp'][-1].ops:,} "
-          f"({work['nested jvp'][-1].written:,})")  # fmt: skip
-for name, counts in work.items():
-    ops_growth = (counts[-1].ops / counts[0].ops) ** (1 / (len(counts) - 1))
-    written_growth = (counts[-1].written / counts[0].written) ** (1 / (len(counts) - 1))
-    print(f"{name}: per order, operations x{ops_growth:.2f}, elements written "
-          f"x{written_growth:.2f} (geometric mean over orders 1 to {orders[-1]})")  # fmt: skip
-
-last = work["jacfwd"][-1].written / (m * n ** orders[-1])
-print(
-    f"order {orders[-1]}: the full tensor's operations write {last:.0f}x its elements"
-)
+    with MatrixProducts() as counted:
+        directional_derivative(expf, k, v)(x)
+    print(f"nested jvp, order {k}: {counted.products} matrix-vector products, "
+          f"{counted.on_zeros} of them on an all-zero matrix")  # fmt: skip
+assert one_jvp.on_zeros and counted.on_zeros > counted.products / 2  # the prose below
 
 # %%
-# Both routes run about as many operations, and their number grows by a near-constant factor
-# per order: each ``jvp`` differentiates a function that already computes values and tangents,
-# so the work is exponential in ``k``, where a Taylor mode propagates ``k`` coefficients at a
-# cost polynomial in ``k`` (Griewank and Walther, *Evaluating Derivatives*). The full tensor's
-# operations also act on batches that grow with ``nᵏ``: its elements written grow faster.
+# Even one ``jvp`` multiplies a matrix of zeros: forward mode gives ``W``, which the function
+# captures, a zero tangent, and the product's derivative multiplies it like any other matrix
+# (pytorch issue #69687 tracks such products). At the higher orders most of the products are on
+# zeros, probably because each level differentiates the level below, zeros included. Here the
+# matrices are small; how much of the time these products take, the timings do not separate.
 
 # %%
 # Then the time: :class:`torch.utils.benchmark.Timer` blocks on all threads after a warm-up call,
-# median and interquartile range (IQR) per order, and the ratio of the medians. In the figure,
-# bars run from the first to the third quartile of the blocks.
+# median and interquartile range (IQR) per order, the ratio of the medians, and each route's
+# growth per order. In the figure, bars run from the first to the third quartile of the blocks.
+routes = {"jacfwd": lambda k: derivative_tensor(expf, k),
+          "nested jvp": lambda k: directional_derivative(expf, k, v)}  # fmt: skip
 times, threads = {name: [] for name in routes}, torch.get_num_threads()
 for k in orders:
     for name, build in routes.items():
@@ -395,9 +409,17 @@ for k in orders:
     wording = (f"the full tensor takes {ratio:.2f}x the time of one direction"
                if ratio >= 1 else
                f"one direction takes {1 / ratio:.2f}x the time of the full tensor")  # fmt: skip
-    print(f"order {k}: full tensor {full.median * 1e6:,.0f} µs (IQR {full.iqr * 1e6:,.1f} "
-          f"µs), nested jvp {one.median * 1e6:,.0f} µs (IQR {one.iqr * 1e6:,.1f} µs); "
+    spread = [
+        f"{t * 1e6:,.1f}" if t >= 1e-5 else f"{t * 1e6:.2g}"
+        for t in (full.iqr, one.iqr)
+    ]
+    print(f"order {k}: full tensor {full.median * 1e6:,.0f} µs (IQR {spread[0]} µs), "
+          f"nested jvp {one.median * 1e6:,.0f} µs (IQR {spread[1]} µs); "
           f"{wording}")  # fmt: skip
+for name, measured in times.items():
+    growth = (measured[-1].median / measured[0].median) ** (1 / (len(measured) - 1))
+    print(f"{name}: median time x{growth:.2f} per order (geometric mean, orders 1 to "
+          f"{orders[-1]})")  # fmt: skip
 
 # %%
 fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
@@ -425,5 +447,5 @@ plt.show()
 # * ``mean(v ⊙ H v)`` over ±1 probes estimates the Hessian diagonal with ``S`` products; its
 #   standard error is ``√(Σ_{j≠i} H_ij² / S)``: report it, and check against it.
 # * Nest ``grad`` (scalar in, scalar out) or ``jacfwd`` (the full ``(m,) + (n,)*k`` tensor) for
-#   k-th derivatives; nest ``jvp`` for one direction, ``m`` numbers instead of ``m nᵏ``. Without
-#   Taylor mode in ``torch.func``, the work of both grows by a factor with each order.
+#   k-th derivatives; nest ``jvp`` for one direction, ``m`` numbers instead of ``m nᵏ``. Time
+#   both per order; nested ``jvp`` also multiplies the zero tangents of captured tensors.
