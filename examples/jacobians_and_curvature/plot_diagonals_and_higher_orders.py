@@ -410,12 +410,10 @@ for k in orders:
                if ratio >= 1 else
                f"one direction takes {1 / ratio:.2f}x the time of the full tensor")  # fmt: skip
     spread = [
-        f"{t * 1e6:,.1f}" if t >= 1e-5 else f"{t * 1e6:.2g}"
-        for t in (full.iqr, one.iqr)
+        f"{t:,.1f}" if t >= 10 else f"{t:.2g}" for t in (full.iqr * 1e6, one.iqr * 1e6)
     ]
     print(f"order {k}: full tensor {full.median * 1e6:,.0f} µs (IQR {spread[0]} µs), "
-          f"nested jvp {one.median * 1e6:,.0f} µs (IQR {spread[1]} µs); "
-          f"{wording}")  # fmt: skip
+          f"nested jvp {one.median * 1e6:,.0f} µs (IQR {spread[1]} µs); {wording}")  # fmt: skip
 for name, measured in times.items():
     growth = (measured[-1].median / measured[0].median) ** (1 / (len(measured) - 1))
     print(f"{name}: median time x{growth:.2f} per order (geometric mean, orders 1 to "
