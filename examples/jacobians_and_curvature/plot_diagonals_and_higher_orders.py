@@ -105,7 +105,7 @@ assert off > 0.5, "the one-jvp trick should not give the diagonal here"
 # runs: it builds all ``n`` rows of ``J``, ``n × n`` numbers, before you keep the diagonal, so
 # this route costs what ``jacrev(g)(x).diagonal()`` costs, in time and memory; the batched
 # ``jvp`` builds the ``n`` columns likewise. Only ``chunk_size``, which runs the products that
-# many at a time, bounds the memory; fewer products need to know where ``J`` is zero (next
+# many at a time, bounds ``vmap``'s memory; fewer products need to know where ``J`` is zero (next
 # section).
 basis = torch.eye(n, **f64)
 _, g_vjp = vjp(g, x)
@@ -137,8 +137,8 @@ print(f"products: {len(basis)} ({len(basis)} vjps, or {len(basis)} jvps)")
 # sin x_i`` (periodic), output ``i`` depends on inputs ``i − 1``, ``i`` and ``i + 1``. Colour the
 # inputs by parity: along the sum of one colour's basis vectors, entry ``i`` of that colour
 # collects only ``∂h_i/∂x_i``, as both its neighbours have the other colour. Two products for
-# any even ``n`` (the whole tridiagonal ``J`` would take three colours, as ``i − 1`` and
-# ``i + 1`` share row ``i``); the diagonal is ``x_{i−1} + x_{i+1} + cos x_i``.
+# any even ``n`` (the whole tridiagonal ``J`` takes more, as ``i − 1`` and ``i + 1`` share
+# row ``i``); the diagonal is ``x_{i−1} + x_{i+1} + cos x_i``.
 def h(x):
     return x * (x.roll(1) + x.roll(-1)) + torch.sin(x)
 
@@ -350,7 +350,7 @@ for k in range(1, 5):
 # %%
 # Measuring: how the cost grows with the order
 # --------------------------------------------
-# The sizes are printed above: the full tensor grows by ``n`` per order, one direction stays at
+# The sizes are printed above: the full tensor grows n-fold per order, one direction stays at
 # ``m`` numbers. What runs is harder to count. A ``TorchDispatchMode`` sees each operation below the
 # transforms, but also calls that compute nothing (views, shape checks, zero tensors that hold
 # no data), so this one counts a single kind we can count by hand: the matrix-vector products
@@ -446,4 +446,4 @@ plt.show()
 #   standard error is ``√(Σ_{j≠i} H_ij² / S)``: report it, and check against it.
 # * Nest ``grad`` (scalar in, scalar out) or ``jacfwd`` (the full ``(m,) + (n,)*k`` tensor) for
 #   k-th derivatives; nest ``jvp`` for one direction, ``m`` numbers instead of ``m nᵏ``. Time
-#   both per order; nested ``jvp`` also multiplies the zero tangents of captured tensors.
+#   both per order; forward mode multiplies the zero tangents of captured tensors too.

@@ -99,7 +99,7 @@ print("randomness='same': one mask, shared by all", len(inputs), "samples")
 # %%
 # ``"same"`` has a limit dropout does not show: a random operation whose *parameters* are
 # batched (a probability per sample for :func:`torch.bernoulli` or :func:`torch.multinomial`,
-# a mean per sample for :func:`torch.normal`) has no single draw to share, and raises.
+# a mean per sample for :func:`torch.normal`) raises: not implemented in this release.
 # :func:`torch.randn_like` and :func:`torch.rand` read only a shape, and share one draw.
 probs = torch.rand(8, 5, device=device)
 for name, op in [
