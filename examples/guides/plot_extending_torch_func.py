@@ -325,8 +325,8 @@ assert torch.autograd.gradcheck(top3, (score_leaf,), check_forward_ad=True)
 # its ``vmap`` staticmethod by hand, which composes with ``grad``.
 #
 # A ``backward`` under ``once_differentiable`` runs in ``no_grad``: nested ``grad`` takes its
-# result as a constant and silently drops every term through it (here all: 0; plain autograd may
-# raise, or not). ``hessian`` stays right: ``no_grad`` does not stop forward mode.
+# result as a constant and silently drops every term through it (here all: 0; plain autograd
+# raises here, where nothing else needs a gradient). ``hessian`` stays right: forward mode goes on.
 
 
 class DoubleInPlace(torch.autograd.Function):
@@ -375,9 +375,9 @@ expect_error(lambda: torch.autograd.grad(slope.sum(), leaf), RuntimeError, "grad
 # ``vmap`` and ``backward()``. And in torch 2.13 a compiled ``grad`` ignores a Function's
 # ``backward`` (pytorch#193279, closed since; ``jvp``: pytorch#192985): dynamo traces NumPy calls as
 # torch operations, so it sees into ``NumpyTanh``'s forward, unlike the eager transforms, and
-# differentiates it, ``detach`` too: zeros, silently. A forward it cannot trace stops the compile
-# instead. Compile the loss and call ``backward()``: the graph keeps the Function's own
-# ``backward``, if it has no ``jvp`` staticmethod (dynamo refuses those).
+# differentiates it, ``detach`` too: zeros, silently. With ``fullgraph=True``, a forward it cannot
+# trace stops the compile instead. Compile the loss and call ``backward()``: the graph keeps the
+# Function's own ``backward`` (``fullgraph=True`` refuses one with a ``jvp`` staticmethod).
 graph_ops = []  # what dynamo captured, recorded by the backend below, which runs it as is
 
 
