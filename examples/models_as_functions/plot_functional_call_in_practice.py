@@ -5,10 +5,11 @@
 :func:`~torch.func.functional_call` runs an ordinary module with tensors you hand it. On a small
 classifier with Dropout and BatchNorm, this page answers the questions users ask about it: does
 it follow ``model.train()`` and ``model.eval()``, where do BatchNorm's running statistics go,
-how does a ``torch.optim`` optimiser take gradients from :func:`~torch.func.grad`, and why is
-``torch.func.grad`` slower than ``loss.backward()`` on a small model. Each answer is checked;
-then the routes are timed at several batch sizes, and ``func.grad``'s extra time is split in
-two. From ``make_functional``: :ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
+how does a ``torch.optim`` optimiser take gradients from :func:`~torch.func.grad`, and how does
+``torch.func.grad``'s time compare with ``loss.backward()``'s on a small model. Each answer is
+checked; then the routes are timed, and the time ``func.grad`` adds over ``autograd.grad`` is
+split: the transform alone, ``functional_call``'s swap, a remainder. From ``make_functional``:
+:ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
 """
 
 # %%
@@ -17,7 +18,6 @@ two. From ``make_functional``: :ref:`sphx_glr_auto_examples_guides_plot_functorc
 # Two linear layers with BatchNorm, ReLU and Dropout between them; named layers make readable
 # keys. The data is drawn on the CPU, so that it is the same on every device.
 import copy
-import time
 from collections import OrderedDict
 
 import matplotlib.pyplot as plt
@@ -72,7 +72,6 @@ loaded = copy.deepcopy(model)
 loaded.load_state_dict(other)
 by_dict = functional_call(model, other, (inputs,))
 close_to("other tensors vs a loaded copy", by_dict, loaded(inputs).detach(), 1e-6)
-
 
 # %%
 # Modes: ``functional_call`` follows ``model.train()`` and ``model.eval()``
@@ -140,7 +139,6 @@ moved = (seeded(8, lambda: twin(inputs)) - by_dict).norm() / by_dict.norm()
 print(f"another seed moves the output by {moved:.2f} (relative)")
 assert moved > 0.05
 
-
 # %%
 # Buffers: BatchNorm writes into the tensors you pass
 # ---------------------------------------------------
@@ -173,9 +171,10 @@ model.load_state_dict(own)  # back to where it was
 
 # %%
 # Under :func:`~torch.func.grad`, pass the buffers as an argument that is not differentiated:
-# they are updated in place as above, once per call. Left to the module (captured), they raise
-# "would mutate a captured Tensor" (:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`
-# covers it, and ``vmap`` over single samples). In the differentiated dict they fail otherwise:
+# they are updated in place as above, once per call. Left to the module (captured), they fail:
+# BatchNorm's ``num_batches_tracked.add_(1)`` raises "would mutate a captured Tensor", naming
+# ``aten::add_`` (:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py` covers it, and
+# ``vmap`` over single samples). In the differentiated dict they fail otherwise:
 # ``num_batches_tracked`` is an integer, and only floating tensors can require gradients.
 def batch_loss(params, buffers, x, y):
     return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
@@ -185,13 +184,15 @@ buffers = {name: t.clone() for name, t in other.items() if name not in params}
 grad(batch_loss)(params, buffers, inputs, labels)
 close_to("under grad: running_mean", buffers["norm.running_mean"], new_mean, 1e-6)
 assert buffers["norm.num_batches_tracked"] == other["norm.num_batches_tracked"] + 1
-try:
-    grad(lambda merged: batch_loss(merged, {}, inputs, labels))(params | buffers)
-    raise AssertionError("grad differentiated an integer buffer")
-except RuntimeError as refusal:
-    assert "only Tensors of floating point dtype can require gradients" in str(refusal)
-    print(f"buffers in the differentiated dict: RuntimeError: {refusal}")
-
+for given, says in [(params, "(aten::add_.Tensor) that would mutate a captured Tensor"),
+                    (params | buffers, "only Tensors of floating point dtype")]:  # fmt: skip
+    try:  # buffers left to the module, then buffers in the differentiated dict
+        grad(lambda merged: batch_loss(merged, {}, inputs, labels))(given)
+        raise AssertionError(f"grad ran, though expected to raise {says!r}")
+    except RuntimeError as refusal:
+        assert says in str(refusal), refusal
+        where = "left to the module" if given is params else "differentiated"
+        print(f"buffers {where}: RuntimeError: {str(refusal).split('. ')[0]}")
 
 # %%
 # Names: ``strict=True``, and tied weights
@@ -222,7 +223,6 @@ tied = nn.Sequential(first, nn.Tanh(), second).to(device)
 w, v = torch.randn(3, 3, device=device), torch.randn(4, 3, device=device)
 close_to("tied: one tensor for both names", functional_call(tied, {"0.weight": w}, (v,)),
          torch.tanh(v @ w.T) @ w.T, 1e-6)  # fmt: skip
-
 
 # %%
 # Training with ``grad_and_value`` and a ``torch.optim`` optimiser
@@ -296,19 +296,18 @@ for step, (x, y) in enumerate(batches):
 worst_after_each_step("SGD by hand", states,
                       ordinary_training(lambda p: torch.optim.SGD(p, lr=0.1)), 1e-6)  # fmt: skip
 
-
 # %%
 # How fast is it?
 # ---------------
 # Six routes, in training mode. Forward only: the module's own call, and ``functional_call``
 # with the module's own parameters. One gradient of the batch loss: ``loss.backward()`` (after
 # clearing ``.grad``), :func:`torch.autograd.grad`, ``func.grad``, ``func.grad_and_value``. To
-# split ``func.grad``'s extra time, the model written in ``torch.nn.functional`` alone ("plain",
-# checked against the module, same seed) is differentiated by both; to check the rule below,
-# ``autograd.grad`` also runs after a busy wait of known length, fixed or growing with the batch.
+# split ``func.grad``'s extra time, the model in ``torch.nn.functional`` alone ("plain", its
+# gradients checked against the module's, same seed) is differentiated by both ``grad`` functions.
 weights = dict(model.named_parameters())
 detached = {name: t.detach() for name, t in weights.items()}
-SIZES, ROUNDS, WAIT = [4, 64, 512, 4096], 9, 200e-6  # WAIT in seconds
+SIZES, ROUNDS = [4, 64, 512, 4096], 9
+ENDS = SIZES[0], SIZES[-1]  # the smallest and the largest batch
 
 
 def plain_loss(p, b, x, y):  # the model in torch.nn.functional, training mode
@@ -320,30 +319,18 @@ def plain_loss(p, b, x, y):  # the model in torch.nn.functional, training mode
 
 
 def routes_for(x, y):
-    def backward():
-        model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-
     def by_autograd(loss):  # a dict of gradients, as func.grad returns
         return dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
-
-    def wait(seconds):  # a busy wait: it adds at least `seconds` to a call
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
 
     return {
         "module call": lambda: model(x),
         "functional_call": lambda: functional_call(model, weights, (x,)),
-        "loss.backward()": backward,
+        "loss.backward()": lambda: (model.zero_grad(), F.cross_entropy(model(x), y).backward()),
         "autograd.grad": lambda: by_autograd(F.cross_entropy(model(x), y)),
         "func.grad": lambda: grad(batch_loss)(detached, buffers, x, y),
         "func.grad_and_value": lambda: grad_and_value(batch_loss)(detached, buffers, x, y),
         "plain autograd.grad": lambda: by_autograd(plain_loss(weights, buffers, x, y)),
         "plain func.grad": lambda: grad(plain_loss)(detached, buffers, x, y),
-        "+ fixed wait": lambda: (wait(WAIT), by_autograd(F.cross_entropy(model(x), y))),
-        "+ growing wait": lambda: (wait(WAIT * (1 + len(x) / 1024)),
-                                   by_autograd(F.cross_entropy(model(x), y))),
     }  # fmt: skip
 
 
@@ -353,9 +340,8 @@ for name in ["autograd.grad", "func.grad", "plain func.grad"]:
     each_within(f"{name} vs plain autograd", seeded(11, checked[name]), reference, 1e-6)
 
 
-# %%
-# Nine interleaved rounds per size, each route one ``Timer.blocked_autorange`` per round on all
-# threads (a burst of load hits all routes of a round); medians and IQRs over all rounds' blocks.
+# Nine rounds per size, each route one ``Timer.blocked_autorange`` per round on all threads, in
+# an order rotated by one each round; a route's median and IQR are over all its blocks.
 def us(seconds):  # enough digits that a small spread does not print as zero
     return f"{seconds * 1e6:.1f}" if abs(seconds) >= 1e-6 else f"{seconds * 1e6:.2g}"
 
@@ -366,11 +352,13 @@ for size in SIZES:
                         torch.randint(0, CLASSES, (size,)).to(device))  # fmt: skip
     for fn in routes.values():
         fn(), fn()  # warm-up
-    for _round in range(ROUNDS):  # interleaved: every route once per round
-        for name, fn in routes.items():
+    order = list(routes.items())
+    for _round in range(ROUNDS):
+        for name, fn in order:
             timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
             rounds.setdefault(name, {}).setdefault(size, []).append(
                 timer.blocked_autorange(min_run_time=0.01))  # fmt: skip
+        order = order[1:] + order[:1]  # the next round starts one route later
     for name in routes:
         merged = benchmark.Measurement.merge(rounds[name][size])[0]
         times.setdefault(name, {})[size] = merged
@@ -381,41 +369,53 @@ for size in SIZES:
 # %%
 # A fixed cost per call, or a cost that grows with the batch?
 # -----------------------------------------------------------
-# Per size: the median and quartiles, over the rounds, of the difference of two routes' medians.
-# The rule, applied at run time: the extra time is *a fixed cost per call* if positive at the
-# smallest batch and, at every size, its first to third quartile lies within half to twice that
-# value (a thousandfold range of batch sizes); it *grows with the batch* if at the largest even
-# the first quartile is above twice that value; else this run cannot tell. Then the two parts.
-def apart(a, b, size):  # quartiles over the rounds of a's median minus b's
-    return np.percentile([ra.median - rb.median for ra, rb in
-                          zip(rounds[a][size], rounds[b][size])], [25, 50, 75])  # fmt: skip
+# Per size: ``func.grad``'s time minus that of ``autograd.grad`` and of ``loss.backward()``, in
+# each round, then its median and quartiles over the rounds; the ratio of the routes' medians.
+# The difference is called larger or smaller at the largest batch than at the smallest only
+# where their ranges from first to third quartile do not overlap.
+def per_round(a, b, size):  # a's median minus b's, in each round (seconds)
+    pairs = zip(rounds[a][size], rounds[b][size])
+    return np.array([x.median - y.median for x, y in pairs])
 
 
-def extra_time(a, b):
-    print(f"{a} minus {b}, over {ROUNDS} rounds:")
+def summary(values):  # median and quartiles over the rounds
+    q1, mid, q3 = np.percentile(values, [25, 50, 75]) * 1e6
+    return f"{mid:+7.1f} µs (IQR {us((q3 - q1) / 1e6)} µs, {q1:+.1f} to {q3:+.1f} µs)"
+
+
+def worded(r):  # a ratio worded by its value
+    return f"takes {r:.2f}x the time of" if r >= 1 else f"is {1 / r:.2f}x faster than"
+
+
+for b in ("autograd.grad", "loss.backward()"):
+    print(f"func.grad minus {b}, over {ROUNDS} rounds:")
     for size in SIZES:
-        q1, middle, q3 = apart(a, b, size)
-        ratio = times[a][size].median / times[b][size].median  # worded by its value
-        words = f"takes {ratio:.2f}x the time of" if ratio >= 0.995 else (
-            f"is {1 / ratio:.2f}x faster than")  # fmt: skip
-        print(f"  batch {size:4d}: {middle * 1e6:+7.1f} µs (IQR {us(q3 - q1)} µs, {q1 * 1e6:+.1f}"
-              f" to {q3 * 1e6:+.1f} µs); {a} {words} {b}")  # fmt: skip
-    first, quartiles = apart(a, b, SIZES[0])[1], [apart(a, b, s)[[0, 2]] for s in SIZES]
-    if first > 0 and all(first / 2 <= q1 and q3 <= 2 * first for q1, q3 in quartiles):
-        return "a fixed cost per call"
-    if first > 0 and quartiles[-1][0] > 2 * first:
-        return "growing with the batch, not only a fixed cost per call"
-    return "not settled (the rule holds neither way)"
+        words = worded(times["func.grad"][size].median / times[b][size].median)
+        print(f"  batch {size:4d}: {summary(per_round('func.grad', b, size))}; "
+              f"func.grad {words} {b}")  # fmt: skip
+    lo, hi = (np.percentile(per_round("func.grad", b, s), [25, 75]) for s in ENDS)
+    trend = "larger" if hi[0] > lo[1] else "smaller" if hi[1] < lo[0] else ""
+    said = f"{trend} (IQRs apart)" if trend else "not told apart (IQRs overlap)"
+    print(f"  this run, the difference at batch {ENDS[1]} against {ENDS[0]}: {said}")
 
-
-PAIRS = [("+ fixed wait", "autograd.grad"), ("+ growing wait", "autograd.grad"),
-         ("func.grad", "autograd.grad"), ("plain func.grad", "plain autograd.grad"),
-         ("functional_call", "module call")]  # fmt: skip
-for a, b in PAIRS:
-    print(f"  verdict on this run: {a}'s extra time over {b} is {extra_time(a, b)}")
-whole, alone, swap = (apart(a, b, SIZES[0])[1] * 1e6 for a, b in PAIRS[2:])
-print(f"batch {SIZES[0]}: func.grad's extra {whole:+.1f} µs; its parts: the transform alone "
-      f"{alone:+.1f} µs, functional_call's swap {swap:+.1f} µs (medians, IQRs above)")  # fmt: skip
+# %%
+# ``func.grad`` minus ``autograd.grad``, split per round at the size where it varies least: the
+# transform alone (the two on the plain function); ``functional_call``'s swap (minus the module
+# call, timed *outside* the transform, though in ``func.grad`` it runs under it); the remainder.
+# Each is summarised over rounds on its own, so medians need not add up. Per call the transform
+# opens a new level, wraps each tensor argument for it (the function runs on the wrappers), calls
+# ``autograd.grad`` with ``create_graph=True``, unwraps the results (``grad_and_value_impl`` in
+# ``torch/_functorch/eager_transforms.py``): probably where its time goes, not timed apart here.
+whole = {size: per_round("func.grad", "autograd.grad", size) for size in SIZES}
+at = min(SIZES, key=lambda size: np.subtract(*np.percentile(whole[size], [75, 25])))
+alone = per_round("plain func.grad", "plain autograd.grad", at)
+swap = per_round("functional_call", "module call", at)
+print(f"split at batch {at}, where func.grad minus autograd.grad has its smallest IQR:")
+for label, part in [("whole: func.grad minus autograd.grad", whole[at]),
+                    ("the transform alone (plain function)", alone),
+                    ("functional_call's swap, timed outside", swap),
+                    ("remainder: whole minus the two", whole[at] - alone - swap)]:  # fmt: skip
+    print(f"  {label:38s} {summary(part)}")
 
 # %%
 # The figure: each route's median time per call against the batch size (log axes), whiskers
@@ -446,5 +446,5 @@ plt.show()
 #   misspelt name, which is otherwise ignored.
 # * ``grad_and_value`` plus ``.grad = g`` and ``optimiser.step()`` on the dict's tensors trains
 #   as ``loss.backward()`` does, step for step (same seeds for Dropout).
-# * Is ``func.grad``'s extra time a fixed cost per call? Time it against ``autograd.grad`` in
-#   interleaved rounds at batch sizes far apart, with the rule checked on a known added cost.
+# * What ``func.grad`` adds on your model: time it against ``autograd.grad`` in rounds, read the
+#   per-round differences with their quartiles; its per-call steps are in ``grad_and_value_impl``.
