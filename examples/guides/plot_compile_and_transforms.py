@@ -4,9 +4,8 @@
 
 Can ``torch.compile`` compile a function that uses ``vmap``, ``grad``, ``jacrev``, ``jacfwd`` or
 ``hessian``? Mostly yes, into one graph, when it goes *around* the transforms. This page compiles
-per-sample gradients of a neural potential, checked against eager code and a float64 loop; runs
-sixteen nestings through dynamo; shows the one that fails (and breaks the process), a cache limit
-all ``vmap``-ed functions share, recompiles and random draws; then times and compares numbers.
+per-sample gradients; runs sixteen nestings through dynamo; shows the two that fail (and break the
+process), the cache limit each transform's functions share, recompiles, random draws; timings.
 """
 
 # %%
@@ -14,11 +13,11 @@ all ``vmap``-ed functions share, recompiles and random draws; then times and com
 # -----
 # ``GraphCounter`` is a ``torch.compile`` backend that keeps the graphs dynamo hands it and runs
 # them as they are, without generating code: cheap enough for the table below to try many.
-import logging
 import sys
 import time
 import warnings
 from subprocess import PIPE, Popen
+from unittest import TestCase
 
 import matplotlib.pyplot as plt
 import torch
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # for clocks
 METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733"}
 
 
@@ -51,9 +51,10 @@ class GraphCounter:
 # A neural potential maps a configuration ``x`` (three coordinates here) to an energy, and the
 # gradient with respect to ``x`` gives the forces. :func:`~torch.func.grad` takes it for one
 # configuration, :func:`~torch.func.vmap` maps that over a batch, and :func:`torch.compile`
-# (default backend: inductor) goes around both. The energy holds a Python float, as real code does.
-# The checks: the same function run eagerly, and a float64 loop of :func:`torch.autograd.grad`,
-# each as a relative error (norm of the difference over norm of the reference) beside its bound.
+# (inductor, ``fullgraph=True``) goes around a function of our own that calls both (why: below).
+# The energy holds a Python float, as real code does. The first call compiles; inductor's cache on
+# disk, which outlives the process, may hold the code (a hit) or not (a miss). The checks: eager
+# code, and a float64 loop of :func:`torch.autograd.grad`, as relative errors beside their bounds.
 def energy(params, x):
     hidden = torch.tanh(x @ params["w_in"] + params["b_in"])
     return hidden @ params["w_out"] + 0.5 * (x * x).sum()
@@ -65,14 +66,21 @@ params = {
     "w_out": torch.randn(32, device=device) / 32**0.5,
 }
 positions = torch.randn(256, 3, device=device)
-energy_grads = vmap(grad(energy, argnums=1), in_dims=(None, 0))
+
+
+def energy_grads(params, positions):  # our own function around the transforms
+    return vmap(grad(energy, argnums=1), in_dims=(None, 0))(params, positions)
+
+
 compiled_grads = torch.compile(energy_grads, fullgraph=True)
 counters.clear()  # dynamo's counters last as long as the process: count from here
 tic = time.perf_counter()
 compiled_result = compiled_grads(params, positions)
+sync()
 seconds, graphs = time.perf_counter() - tic, counters["stats"]["unique_graphs"]
-print(f"compiling: {seconds:.1f} s (measured once); {graphs} graph, ", end="")
-print(f"{len(counters['graph_break'])} graph breaks")
+cache = "inductor's cache: {fxgraph_cache_hit} hits, {fxgraph_cache_miss} misses"
+print(f"compiling: {seconds:.1f} s (measured once), {graphs} graph, ", end="")
+print(f"{len(counters['graph_break'])} breaks;", cache.format_map(counters["inductor"]))
 assert graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
 eager_result = energy_grads(params, positions)
 params64 = {name: p.double() for name, p in params.items()}
@@ -204,20 +212,28 @@ with warnings.catch_warnings(record=True, action="always") as caught:
         breaks = sum(counters["graph_break"].values())
         print(f"{name:28} {len(backend.graphs):6} {breaks:6} {calls:5}  ", end="")
         print(f"{to_eager:8.1e}  {error:9.1e}")
-        assert len(backend.graphs) == 1 and not breaks and error < 1e-6, name
+        assert (len(backend.graphs), breaks, to_eager) == (1, 0, 0), name
+        assert error < 1e-6, name
+    fn, exact_out = rows["allow_in_graph(vmap(grad))"]  # through AOTAutograd too
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)()
+    error = relative_error(flat(out), flat(exact_out))
+    print(f"{'the same, backend aot_eager':28} {error:40.1e}")
+    assert error < 1e-6
 assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback"
 
 # %%
-# One graph each, no break, ``jacfwd`` with its Python float included (pytorch#125078, fixed), and
-# the numbers of eager code and of the closed forms (bound 1e-6). Dynamo traces into the
-# transforms (the calls column); ``allow_in_graph``, the functorch-era workaround, hides the call
-# behind one node and is not needed. No "batching rule for aten::matmul" warning came
-# (pytorch#97425 met it with that workaround): the check above fails on any. For
-# ``functorch.compile``, see :ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
-# Two more nestings are on other pages: a compiled function called *inside* a transform is not
-# compiled (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`, section 12), and compiled
-# ``grad`` ignores a custom ``autograd.Function``'s ``backward``, silently, in this release
-# (pytorch#193279; :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`).
+# One graph each, no break, ``jacfwd`` with its Python float included (pytorch#125078, fixed), the
+# numbers of eager code bit for bit (``GraphCounter`` runs dynamo's graph on eager kernels), and
+# the closed forms' (bound 1e-6). Dynamo traces into the transforms (the calls column);
+# ``allow_in_graph``, the functorch-era workaround, hides the call behind one node and is not
+# needed. No "batching rule for aten::matmul" warning came, with ``GraphCounter`` or through
+# AOTAutograd (``aot_eager``, where pytorch#97425 met it with that workaround): the check fails on
+# any. Elsewhere: ``functorch.compile``
+# (:ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`); a compiled function called
+# *inside* a transform is not compiled (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`,
+# section 12); compiled ``grad`` ignores a custom ``autograd.Function``'s ``backward``, silently,
+# in this release (pytorch#193279;
+# :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`).
 
 # %%
 # ``vmap(jacfwd)`` and ``vmap(hessian)``: an internal assert, then a broken process
@@ -226,12 +242,16 @@ assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback
 # ``jacfwd(jacrev)``) fails when the function multiplies by a constant: ``2.0`` here (in our tries
 # also a constant tensor, and a division). Without the factor it compiles (see the table); eager
 # code works (checked below). Open: pytorch#160508, pytorch#151196. Worse, once the error's frames
-# are freed (here by ``gc.collect()``) the thread excludes more dispatch keys, and even an eager
-# ``grad`` fails: hence the child process (after the assert in a notebook, restart its kernel).
-# Two ways around it are in the table: ``vmap(jacrev(jacrev))`` for Hessians, and for
-# forward-mode Jacobians :func:`~torch.func.jvp` of the ``vmap``-ed function over the basis
-# vectors (``jacobians_forward``: the same products, nested the other way round).
-assert relative_error(vmap(jacfwd(wave), B)(xs, A), S["jac"]) < 1e-6  # eager
+# are freed the thread excludes more dispatch keys, and even an eager ``grad`` fails: hence the
+# child process (in a notebook, restart the kernel). The child frees them with ``gc.collect()``;
+# in a script, the break comes whenever Python's cycle collector next runs. Two ways around it are
+# in the table: ``vmap(jacrev(jacrev))`` for Hessians, and for forward-mode Jacobians
+# :func:`~torch.func.jvp` of the ``vmap``-ed function over the basis vectors
+# (``jacobians_forward``: the same products, nested the other way round).
+for name, fn in [("jac", jacfwd(wave)), ("hess", hessian(height))]:  # eager
+    error = relative_error(vmap(fn, B)(xs, A), S[name])
+    print(f"eager, against the closed form's {name}: {error:.1e} (bound 1e-6)")
+    assert error < 1e-6, name
 out, log = child.communicate(timeout=120)
 report = {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines()}
 assert "afterwards" in report, log[-3000:]  # the child's last words, if it crashed
@@ -246,32 +266,38 @@ assert int(after) > int(before), (before, after)
 assert broken == "Cannot access data pointer of Tensor that doesn't have storage"
 
 # %%
-# Every ``vmap``-ed function is one frame to dynamo
-# -------------------------------------------------
+# A transform's functions are one frame to dynamo
+# -----------------------------------------------
 # ``torch.compile(vmap(f))`` compiles the function ``vmap`` returns; all of them share one code
-# object, and dynamo keeps ``recompile_limit`` versions per code object. Past it, a call raises
-# under ``fullgraph=True`` or runs eagerly with a logged warning, and later ``vmap``-ed functions
-# run eagerly too, at any limit, until ``torch.compiler.reset()``. The recipe holds one version,
-# so a limit of 1 shows it. A function of your own around the transform is its own code object.
-shared = vmap(torch.sin).__code__ is energy_grads.__code__
-print(f"one code object: {shared}; limit {torch._dynamo.config.recompile_limit}")
-fresh, later = vmap(grad(height), in_dims=B), vmap(jacrev(height), in_dims=B)
-backend, dynamo_log = GraphCounter(), logging.getLogger("torch._dynamo.convert_frame")
-dynamo_log.disabled = True  # its warning; the graph counts below show the same
-with torch._dynamo.config.patch(recompile_limit=1):
-    try:
-        torch.compile(fresh, backend=backend, fullgraph=True)(xs, A)
-        raise AssertionError("no FailOnRecompileLimitHit")
-    except FailOnRecompileLimitHit as error:
-        assert str(error) == "Hard failure due to fullgraph=True", error
-        print(f"with fullgraph=True: FailOnRecompileLimitHit: {error}")
-    eager_run = torch.compile(fresh, backend=backend)(xs, A)
-later_run = torch.compile(later, backend=backend)(xs, A)  # the limit is 8 again
-dynamo_log.disabled = False
-torch.testing.assert_close(eager_run, fresh(xs, A))
-torch.testing.assert_close(later_run, later(xs, A))
-assert backend.graphs == [], "compiled after all"
-print("without fullgraph, and at the default limit again: right numbers, no graph")
+# object, and so do all that ``grad``, ``jacrev``, ``jacfwd`` or ``hessian`` return (checked).
+# Dynamo keeps ``recompile_limit`` versions per code object. Past it, a call raises under
+# ``fullgraph=True``, or else runs eagerly with a logged warning (here kept off stderr); later
+# ``vmap``-ed functions, at any limit, until ``torch.compiler.reset()``, raise too ("found no
+# compiled frames") or run eagerly. A limit of 1 shows it. Your own function is its own code object.
+transforms = (vmap, grad, jacrev, jacfwd, hessian)
+shared = [f(height).__code__ is f(wave).__code__ for f in transforms]
+print(f"one code object per transform: {shared}")
+assert all(shared), shared
+first, fresh, later = (vmap(f(height), in_dims=B) for f in (grad, jacrev, jacrev))
+backend, check = GraphCounter(), TestCase()  # for its assertLogs and assertRaises
+torch.compile(first, backend=backend, fullgraph=True)(xs, A)  # one version so far
+with check.assertLogs("torch._dynamo.convert_frame", "WARNING") as logged:
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with check.assertRaises(FailOnRecompileLimitHit) as failed:
+            torch.compile(fresh, backend=backend, fullgraph=True)(xs, A)
+        assert str(failed.exception) == "Hard failure due to fullgraph=True"
+        print(f"with fullgraph=True: FailOnRecompileLimitHit: {failed.exception}")
+        eager_run = torch.compile(fresh, backend=backend)(xs, A)
+    with check.assertRaises(RuntimeError) as failed:  # the limit is 8 again
+        torch.compile(later, backend=backend, fullgraph=True)(xs, A)
+    message = str(failed.exception).split(". ")[0]
+    assert message == "torch.compile with fullgraph=True found no compiled frames"
+    print(f"a later vmap-ed function, with fullgraph=True: RuntimeError: {message}")
+    later_run = torch.compile(later, backend=backend)(xs, A)
+warned = [line.splitlines()[0] for line in logged.output if "hit config" in line]
+torch.testing.assert_close((eager_run, later_run), (fresh(xs, A), later(xs, A)))
+assert len(backend.graphs) == 1 and warned, (len(backend.graphs), logged.output)
+print(f"without fullgraph: right numbers, no new graph; logged: {warned[0]}")
 
 
 def own_frame(xs, A):
@@ -279,9 +305,9 @@ def own_frame(xs, A):
 
 
 torch.compile(own_frame, backend=backend, fullgraph=True)(xs, A)
-torch.compiler.reset()  # every compiled version forgotten, as in a fresh process
+torch.compiler.reset()  # dynamo's caches only: inductor's on disk stay
 torch.compile(later, backend=backend)(xs, A)
-assert len(backend.graphs) == 2
+assert len(backend.graphs) == 3
 print("a function of your own around vmap: one graph; vmap's frame after reset(): one")
 
 # %%
@@ -344,21 +370,27 @@ assert equal_to_eager == [True, False, False, True], equal_to_eager
 # Is it faster?
 # -------------
 # The recipe at the batch above and a larger one, by :class:`torch.utils.benchmark.Timer` on all
-# threads after a warm-up: median, interquartile range (IQR), blocks. The reset above emptied the
-# caches, so each size first compiles, timed apart. A timed call must run compiled code: no Python
-# dispatch mode is active (under one, dynamo runs eager code), a profiled call holds a
-# "Torch-Compiled Region" event, and dynamo compiles nothing new while the timer runs.
+# threads after a warm-up: median, interquartile range (IQR), blocks. The reset above emptied
+# dynamo's caches, not inductor's on disk: each size first compiles again, timed apart, with
+# inductor's hits and misses. A timed call must run compiled code: ``fullgraph=True`` turns the
+# eager fallbacks above into errors; no Python dispatch mode is active (under one, dynamo does not
+# compile); a profiled call at each size holds a "Torch-Compiled Region" event; and dynamo
+# compiles nothing new while the timer runs.
 big = torch.randn(16384, 3, device=device)
+assert _get_current_dispatch_mode() is None
 for configs in positions, big:
+    counters["inductor"].clear()
     tic = time.perf_counter()
     result = compiled_grads(params, configs)
+    sync()
     seconds = time.perf_counter() - tic
-    print(f"first call at {len(configs)}: compiling, {seconds:.1f} s (measured once)")
+    print(f"first call at {len(configs)}: {seconds:.1f} s (measured once); ", end="")
+    print(cache.format_map(counters["inductor"]))
     torch.testing.assert_close(result, energy_grads(params, configs))
-assert _get_current_dispatch_mode() is None
-with profile() as prof:
-    compiled_grads(params, positions)
-assert any(e.name.startswith("Torch-Compiled Region") for e in prof.events())
+    with profile() as prof:
+        compiled_grads(params, configs)
+    region = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    assert region, f"not compiled at {len(configs)}"
 graphs_before, times = counters["stats"]["unique_graphs"], {}
 threads, stmt = torch.get_num_threads(), "fn(params, configs)"
 for size, configs in [("small", positions), ("large", big)]:
@@ -387,42 +419,32 @@ ax.legend()
 plt.show()
 
 # %%
-# Compiled numbers are not eager numbers
-# --------------------------------------
-# Compiled results differ from eager ones by rounding (probably inductor's fused kernels, which
-# add in another order): check them against a float64 reference with a relative bound, as the
-# recipe does, not bitwise against eager code. The largest differences, float32 and float64;
-# then the same question for :func:`~torch.func.jvp`, whose first output is the function's
-# value: is it the plain call's, bit for bit (eager code, on this run)?
-positions64 = positions.double()
-compiled64 = compiled_grads(params64, positions64)
-eager64 = energy_grads(params64, positions64)
-for dtype, compiled_out, eager_out, bound in [
-    ("float32", compiled_result, eager_result, 1e-6),
-    ("float64", compiled64, eager64, 1e-14),
-]:
-    largest = (compiled_out - eager_out).abs().max().item()
-    share = largest / eager_out.abs().max().item()
-    print(f"{dtype}: largest |compiled - eager| {largest:.1e}, ", end="")
-    print(f"{share:.1e} of the largest entry (bound {bound:.0e})")
-    assert share <= bound, dtype
-direction = torch.randn_like(positions)
-energies = vmap(energy, in_dims=(None, 0))
-primal, _ = jvp(lambda x: energies(params, x), (positions,), (direction,))
-plain = energies(params, positions)
-gap = (primal - plain).abs().max().item()
-same = "bitwise equal to" if torch.equal(primal, plain) else f"within {gap:.1e} of"
-print(f"jvp's first output is {same} the plain call's (bound 1e-6 of the largest)")
-assert gap <= 1e-6 * plain.abs().max().item()
+# Compiled numbers may differ from eager ones
+# -------------------------------------------
+# ``backend="aot_eager"`` runs the graphs that dynamo and AOTAutograd trace on eager kernels;
+# inductor decomposes them further and generates its own. Each against eager code, in float32 and
+# float64: bitwise equal, and the largest difference over the largest entry. ``aot_eager`` gives
+# eager's bits (asserted), so any difference comes from inductor's part: check compiled results
+# against float64 with a relative bound, as the recipe does, not bitwise against eager code.
+aot_grads = torch.compile(energy_grads, backend="aot_eager", fullgraph=True)
+for p, configs, bound in (params, positions, 1e-6), (params64, x64.detach(), 1e-14):
+    eager_out = energy_grads(p, configs)
+    for name, fn in [("aot_eager", aot_grads), ("inductor", compiled_grads)]:
+        out = fn(p, configs)
+        share = ((out - eager_out).abs().max() / eager_out.abs().max()).item()
+        same = torch.equal(out, eager_out)
+        print(f"{configs.dtype} {name:9}: bitwise {same!s:5};", end=" ")
+        print(f"max |difference| / max |entry| {share:.1e} (bound {bound:.0e})")
+        assert same if name == "aot_eager" else share <= bound, (configs.dtype, name)
 
 # %%
 # What to remember
 # ----------------
-# * Compile around the transforms: ``torch.compile(vmap(grad(f)))`` and the table's nestings
-#   compile into one graph, without ``allow_in_graph`` or ``functorch.compile``.
+# * Compile a function of your own around the transforms, with ``fullgraph=True``: the recipe
+#   and the table's nestings compile into one graph, without ``allow_in_graph``.
 # * Compiled ``vmap(jacfwd)`` and ``vmap(hessian)`` of a function with a constant factor fail with
-#   an internal assert and break the process: restart, and use ``vmap(jacrev(jacrev))`` or
-#   ``jvp`` over basis vectors.
-# * Compile your own function around ``vmap``: all ``vmap``-ed functions are one frame to dynamo,
-#   and past ``recompile_limit`` versions they all run eagerly.
+#   an internal assert and break the process (on the CPU, in this release): restart, and use
+#   ``vmap(jacrev(jacrev))`` or ``jvp`` over basis vectors.
+# * The functions one transform returns are one code object to dynamo: compiled directly, past
+#   ``recompile_limit`` versions they run eagerly, or raise under ``fullgraph=True``.
 # * Check compiled results against float64 with a relative bound, not bitwise against eager code.
