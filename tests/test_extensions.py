@@ -387,3 +387,48 @@ def test_the_times_are_read_from_sphinx_gallerys_execution_times_page():
         "plot_a.py": 62.5,
         "plot_b.py": 0.25,
     }
+
+
+EXAMPLE_COMPILING = """
+import torch
+from torch.func import grad, vmap
+
+
+def {helper}(x):
+    return x.sin()
+
+
+def energy(x):
+    return (2 * {helper}(x)).sum()
+
+
+compiled = torch.compile(vmap(grad(energy)), backend="eager", fullgraph=True)
+result = compiled(torch.ones(3, 2))
+"""
+
+
+def run_as_main(source):
+    """Run source as sphinx-gallery runs an example: in a ``__main__`` module of its own."""
+    import importlib.util
+
+    main = importlib.util.module_from_spec(
+        importlib.util.spec_from_loader("__main__", None)
+    )
+    before = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, "<example>", "exec"), main.__dict__)
+    finally:
+        sys.modules["__main__"] = before
+    return main
+
+
+def test_the_reset_lets_the_next_example_compile_a_transform_of_its_own_functions():
+    """Dynamo keeps the first example's ``__main__`` for guards in torch's own frames."""
+    import reset_between_examples
+    import torch
+
+    run_as_main(EXAMPLE_COMPILING.format(helper="wave"))
+    reset_between_examples.reset_state({}, "plot_second.py")
+    second = run_as_main(EXAMPLE_COMPILING.format(helper="ripple"))
+    torch.testing.assert_close(second.result, 2 * torch.ones(3, 2).cos())

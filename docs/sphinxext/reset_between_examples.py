@@ -28,6 +28,7 @@ import ctypes
 import gc
 import platform
 import random
+import sys
 
 import torch
 
@@ -51,6 +52,7 @@ def reset_state(gallery_conf, fname):
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = True
     torch.compiler.reset()  # compiled code and dynamo's shape history, as in a fresh process
+    _forget_imported_mains()
     # Dynamo's first compile turns distributions' argument validation off for the whole process
     # (TorchPatcher in torch/_dynamo/eval_frame.py); a fresh interpreter starts with it on.
     torch.distributions.Distribution.set_default_validate_args(__debug__)
@@ -61,6 +63,26 @@ def reset_state(gallery_conf, fname):
         torch.cuda.empty_cache()  # the CUDA allocator's free blocks: see the module's docstring
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         _reset_glibc_malloc(ctypes.CDLL(None))
+
+
+def _forget_imported_mains():
+    """Drop the references to earlier examples' ``__main__`` that dynamo left in torch's modules.
+
+    To guard on a global of the user's module from a frame of torch's own (the wrapper that
+    every ``vmap``- or ``grad``-ed function shares), dynamo imports that module once and for all
+    (a ``functools.cache``) and stores it in the frame's globals as ``__import___main__``;
+    ``torch.compiler.reset()`` clears neither. Each example runs in a ``__main__`` of its own, so
+    the next example's guards would look up its names in an earlier example's module: "module
+    '__main__' has no attribute ...", on the compile page after the pitfalls page. A fresh
+    interpreter has one ``__main__`` and never meets this.
+    """
+    from torch._dynamo import symbolic_convert
+
+    symbolic_convert._import_module.cache_clear()
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict) and "__import___main__" in names:
+            del names["__import___main__"]
 
 
 # glibc's mallopt parameters (<malloc.h>) and the values a fresh 64-bit process works with.
