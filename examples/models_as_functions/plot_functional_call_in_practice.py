@@ -15,8 +15,7 @@ split: the transform alone, ``functional_call``'s swap, a remainder. From ``make
 # %%
 # Setup
 # -----
-# Two linear layers with BatchNorm, ReLU and Dropout between them; named layers make readable
-# keys. The data is drawn on the CPU, so that it is the same on every device.
+# Two linear layers with BatchNorm, ReLU and Dropout between them; named layers make readable keys.
 import copy
 from collections import OrderedDict
 
@@ -215,8 +214,9 @@ except RuntimeError as refusal:
     print("strict=True: RuntimeError:", " ".join(str(refusal).split()))
 
 # %%
-# With ``tie_weights=True`` (the default) a tensor passed under one name of a tied parameter is
-# used under all of them: here two layers share one weight, registered once as ``0.weight``.
+# With ``tie_weights=True`` (the default) a tensor passed under one name of a tied parameter is used
+# under all of them: here two layers share one weight, listed once by ``named_parameters()`` as
+# ``0.weight``.
 first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
 second.weight = first.weight
 tied = nn.Sequential(first, nn.Tanh(), second).to(device)
@@ -299,13 +299,14 @@ worst_after_each_step("SGD by hand", states,
 # %%
 # How fast is it?
 # ---------------
-# Six routes, in training mode. Forward only: the module's own call, and ``functional_call``
-# with the module's own parameters. One gradient of the batch loss: ``loss.backward()`` (after
-# clearing ``.grad``), :func:`torch.autograd.grad`, ``func.grad``, ``func.grad_and_value``. To
-# split ``func.grad``'s extra time, the model in ``torch.nn.functional`` alone ("plain", its
-# gradients checked against the module's, same seed) is differentiated by both ``grad`` functions.
+# Eight routes, in training mode, six of them on the model. Forward only: the module's own call, and
+# ``functional_call`` with the module's own parameters. One gradient of the batch loss:
+# ``loss.backward()`` (after clearing ``.grad``), :func:`torch.autograd.grad`, ``func.grad``,
+# ``func.grad_and_value``. To split ``func.grad``'s extra time, the model in ``torch.nn.functional``
+# alone ("plain", its gradients checked against the module's, same seed) is differentiated by both
+# ``grad`` functions.
 weights = dict(model.named_parameters())
-detached = {name: t.detach() for name, t in weights.items()}
+detached = {name: t.detach() for name, t in weights.items()}  # or grad builds a graph
 SIZES, ROUNDS = [4, 64, 512, 4096], 9
 ENDS = SIZES[0], SIZES[-1]  # the smallest and the largest batch
 
@@ -402,10 +403,9 @@ for b in ("autograd.grad", "loss.backward()"):
 # ``func.grad`` minus ``autograd.grad``, split per round at the size where it varies least: the
 # transform alone (the two on the plain function); ``functional_call``'s swap (minus the module
 # call, timed *outside* the transform, though in ``func.grad`` it runs under it); the remainder.
-# Each is summarised over rounds on its own, so medians need not add up. Per call the transform
-# opens a new level, wraps each tensor argument for it (the function runs on the wrappers), calls
-# ``autograd.grad`` with ``create_graph=True``, unwraps the results (``grad_and_value_impl`` in
-# ``torch/_functorch/eager_transforms.py``): probably where its time goes, not timed apart here.
+# Each is summarised over rounds on its own, so medians need not add up. What the transform's
+# own time is made of (work per call, or per operation the function runs) is not timed apart
+# here: time ``grad`` against ``autograd.grad`` on your own function, as above.
 whole = {size: per_round("func.grad", "autograd.grad", size) for size in SIZES}
 at = min(SIZES, key=lambda size: np.subtract(*np.percentile(whole[size], [75, 25])))
 alone = per_round("plain func.grad", "plain autograd.grad", at)
@@ -447,4 +447,4 @@ plt.show()
 # * ``grad_and_value`` plus ``.grad = g`` and ``optimiser.step()`` on the dict's tensors trains
 #   as ``loss.backward()`` does, step for step (same seeds for Dropout).
 # * What ``func.grad`` adds on your model: time it against ``autograd.grad`` in rounds, read the
-#   per-round differences with their quartiles; its per-call steps are in ``grad_and_value_impl``.
+#   per-round differences with their quartiles, at your model's size.
