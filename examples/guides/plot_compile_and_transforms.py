@@ -265,74 +265,95 @@ print(f"then: dispatch keys excluded {before} before, {after} after; grad: {brok
 assert int(after) > int(before), (before, after)
 assert broken == "Cannot access data pointer of Tensor that doesn't have storage"
 
+
 # %%
-# A transform's functions are one frame to dynamo
-# -----------------------------------------------
+# A transform's functions are one code object to dynamo
+# ------------------------------------------------------
 # ``torch.compile(vmap(f))`` compiles the function ``vmap`` returns; all of them share one code
-# object, and so do all that ``grad``, ``jacrev``, ``jacfwd`` or ``hessian`` return (checked).
-# Dynamo keeps ``recompile_limit`` versions per code object. Past it, a call raises under
-# ``fullgraph=True``, or else runs eagerly with a logged warning (here kept off stderr); later
-# ``vmap``-ed functions, at any limit, until ``torch.compiler.reset()``, raise too ("found no
-# compiled frames") or run eagerly. A limit of 1 shows it. Your own function is its own code object.
+# object, as do all that ``grad``, ``jacrev`` or ``jacfwd`` return (``hessian`` returns
+# ``jacfwd``'s), and all that one factory of yours returns: each ``def`` statement is one code
+# object. Dynamo keeps ``recompile_limit`` versions per code object; a limit of 1 shows what comes
+# next. Under ``fullgraph=True`` the call raises, and that is all: a later ``vmap``-ed function
+# compiles. Without it the call runs eagerly, with a logged warning (kept off stderr here), and
+# dynamo compiles nothing more for that code object until ``torch.compiler.reset()``: a later
+# ``vmap``-ed function runs a version compiled before if one fits, else runs eagerly (under
+# ``fullgraph=True``: "found no compiled frames"). So pass what varies as tensors (dynamo guards
+# their shapes, not values), as the recipe passes ``params``; where functions vary, raise
+# ``recompile_limit`` or reset.
+def run(f, fullgraph=True):  # compile a new vmap-ed function of f, and call it
+    return torch.compile(vmap(f, B), backend=backend, fullgraph=fullgraph)(xs, A)
+
+
+def per_sample_grads(act):  # a factory of functions of your own
+    def own(xs):
+        return vmap(grad(lambda x: act(x).sum()))(xs)
+
+    return own
+
+
+sin_grads, cos_grads = per_sample_grads(torch.sin), per_sample_grads(torch.cos)
 transforms = (vmap, grad, jacrev, jacfwd, hessian)
 shared = [f(height).__code__ is f(wave).__code__ for f in transforms]
-print(f"one code object per transform: {shared}")
+shared += [hessian(height).__code__ is jacfwd(wave).__code__]
+shared += [sin_grads.__code__ is cos_grads.__code__]
+print(
+    f"one code object per transform: {shared[:5]}; hessian's, jacfwd's; factory: {shared[5:]}"
+)
 assert all(shared), shared
-first, fresh, later = (vmap(f(height), in_dims=B) for f in (grad, jacrev, jacrev))
 backend, check = GraphCounter(), TestCase()  # for its assertLogs and assertRaises
-torch.compile(first, backend=backend, fullgraph=True)(xs, A)  # one version so far
+limit_1 = lambda: torch._dynamo.config.patch(recompile_limit=1)  # noqa: E731
 with check.assertLogs("torch._dynamo.convert_frame", "WARNING") as logged:
-    with torch._dynamo.config.patch(recompile_limit=1):
-        with check.assertRaises(FailOnRecompileLimitHit) as failed:
-            torch.compile(fresh, backend=backend, fullgraph=True)(xs, A)
-        assert str(failed.exception) == "Hard failure due to fullgraph=True"
-        print(f"with fullgraph=True: FailOnRecompileLimitHit: {failed.exception}")
-        eager_run = torch.compile(fresh, backend=backend)(xs, A)
-    with check.assertRaises(RuntimeError) as failed:  # the limit is 8 again
-        torch.compile(later, backend=backend, fullgraph=True)(xs, A)
-    message = str(failed.exception).split(". ")[0]
-    assert message == "torch.compile with fullgraph=True found no compiled frames"
-    print(f"a later vmap-ed function, with fullgraph=True: RuntimeError: {message}")
-    later_run = torch.compile(later, backend=backend)(xs, A)
-warned = [line.splitlines()[0] for line in logged.output if "hit config" in line]
-torch.testing.assert_close((eager_run, later_run), (fresh(xs, A), later(xs, A)))
-assert len(backend.graphs) == 1 and warned, (len(backend.graphs), logged.output)
+    run(grad(height))  # one version so far
+    with limit_1(), check.assertRaises(FailOnRecompileLimitHit) as failed:
+        run(jacrev(height))
+    assert str(failed.exception) == "Hard failure due to fullgraph=True"
+    run(jacrev(height))  # at the default limit: a second version
+    print(f"with fullgraph=True: {failed.exception}; then {len(backend.graphs)} graphs")
+    assert len(backend.graphs) == 2
+    with limit_1():
+        eager_run = run(jacrev(wave), fullgraph=False)
+    with check.assertRaises(RuntimeError) as failed:  # at the default limit
+        run(jacrev(wave))
+    run(grad(height))  # fits the first version: runs it, no complaint
+    torch.compile(sin_grads, backend=backend, fullgraph=True)(
+        xs
+    )  # own's code: compiles
+    with limit_1(), check.assertRaises(FailOnRecompileLimitHit):
+        torch.compile(cos_grads, backend=backend, fullgraph=True)(xs)
+message = str(failed.exception).split(". ")[0]
+assert message == "torch.compile with fullgraph=True found no compiled frames"
+print(f"then a later vmap-ed function, with fullgraph=True: RuntimeError: {message}")
+warned = [line.splitlines()[0] for line in logged.output if "(1)" in line]
+torch.testing.assert_close(eager_run, vmap(jacrev(wave), B)(xs, A))
+assert len(backend.graphs) == 3 and len(warned) == 3, (len(backend.graphs), warned)
 print(f"without fullgraph: right numbers, no new graph; logged: {warned[0]}")
-
-
-def own_frame(xs, A):
-    return vmap(grad(height), in_dims=B)(xs, A)
-
-
-torch.compile(own_frame, backend=backend, fullgraph=True)(xs, A)
 torch.compiler.reset()  # dynamo's caches only: inductor's on disk stay
-torch.compile(later, backend=backend)(xs, A)
-assert len(backend.graphs) == 3
-print("a function of your own around vmap: one graph; vmap's frame after reset(): one")
+run(jacrev(wave))
+assert len(backend.graphs) == 4
+print(
+    "the factory's second at a limit of 1: FailOnRecompileLimitHit; after reset(): a graph"
+)
 
 # %%
 # A new batch size: what recompiles
 # ---------------------------------
-# Dynamo remembers shapes per code object, so each mode compiles its own function (with
-# ``GraphCounter``) at batch sizes 8, 16, 32, 8. By default the second size recompiles with a
-# symbolic batch size that later sizes reuse; ``dynamic=False`` compiles each size;
-# ``dynamic=True`` and ``torch._dynamo.mark_dynamic`` compile once; all match eager code. A loss
-# that pins the batch size does otherwise: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
-modes = {
-    "default": (lambda xs, A: own_frame(xs, A), {}),
-    "dynamic=False": (lambda xs, A: own_frame(xs, A), {"dynamic": False}),
-    "dynamic=True": (lambda xs, A: own_frame(xs, A), {"dynamic": True}),
-    "mark_dynamic": (lambda xs, A: own_frame(xs, A), {}),
-}
+# Dynamo remembers shapes per code object, so each mode starts from ``torch.compiler.reset()`` and
+# compiles ``sin_grads`` (with ``GraphCounter``) at batch sizes 8, 16, 32, 8. By default the second
+# size recompiles with a symbolic batch size that later sizes reuse; ``dynamic=False`` compiles each
+# size; ``dynamic=True`` and ``torch._dynamo.mark_dynamic`` compile once; all match eager code. A
+# loss that pins the batch size does otherwise: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
 expected = {"default": [1, 2, 2, 2], "dynamic=False": [1, 2, 3, 3]}
-for mode, (fn, options) in modes.items():
+modes = {"default": None, "dynamic=False": False, "dynamic=True": True}
+modes["mark_dynamic"] = None
+for mode, dynamic in modes.items():
+    torch.compiler.reset()
     backend, counts = GraphCounter(), []
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, **options)
+    fn = torch.compile(sin_grads, backend=backend, fullgraph=True, dynamic=dynamic)
     for size in (8, 16, 32, 8):
         xs = torch.randn(size, 3, device=device)
         if mode == "mark_dynamic":
             torch._dynamo.mark_dynamic(xs, 0)
-        torch.testing.assert_close(compiled(xs, A), own_frame(xs, A))
+        torch.testing.assert_close(fn(xs), sin_grads(xs))
         counts.append(len(backend.graphs))
     print(f"{mode:14} graphs compiled after each call: {counts}")
     assert counts == expected.get(mode, [1, 1, 1, 1]), (mode, counts)
