@@ -3,9 +3,8 @@
 ======================================================================
 
 Can ``torch.compile`` compile a function that uses ``vmap``, ``grad``, ``jacrev``, ``jacfwd`` or
-``hessian``? Mostly yes, into one graph, when it goes *around* the transforms. This page compiles
-per-sample gradients; runs sixteen nestings through dynamo; shows the two that fail (and break the
-process), the cache limit each transform's functions share, recompiles, random draws; timings.
+``hessian``? Mostly yes, into one graph, when it goes *around* the transforms. Below: the recipe, a
+table of nestings, two that fail (and break the process), cache limits, recompiles, draws, timings.
 """
 
 # %%
@@ -36,25 +35,21 @@ sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None  # for 
 METHOD_COLORS = {"torch eager": "#004488", "compiled": "#117733"}
 
 
-class GraphCounter:
-    def __init__(self):
-        self.graphs = []
-
+class GraphCounter(list):  # a list of the graphs
     def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
+        self.append(gm)
         return gm.forward
 
 
 # %%
 # The recipe: compile around the transform
 # ----------------------------------------
-# A neural potential maps a configuration ``x`` (three coordinates here) to an energy, and the
-# gradient with respect to ``x`` gives the forces. :func:`~torch.func.grad` takes it for one
-# configuration, :func:`~torch.func.vmap` maps that over a batch, and :func:`torch.compile`
-# (inductor, ``fullgraph=True``) goes around a function of our own that calls both (why: below).
-# The energy holds a Python float, as real code does. The first call compiles; inductor's cache on
-# disk, which outlives the process, may hold the code (a hit) or not (a miss). The checks: eager
-# code, and a float64 loop of :func:`torch.autograd.grad`, as relative errors beside their bounds.
+# A neural potential maps a configuration ``x`` to an energy; its gradient in ``x`` gives the
+# forces. :func:`~torch.func.grad` takes it for one configuration, :func:`~torch.func.vmap` maps
+# that over a batch, and :func:`torch.compile` (inductor, ``fullgraph=True``) goes around a function
+# of our own that calls both (why: below). The energy holds a Python float, as real code does. The
+# first call compiles; inductor's cache on disk may hold the code (a hit) or not (a miss). Checks:
+# eager code, and a float64 loop of :func:`torch.autograd.grad`, as relative errors with bounds.
 def energy(params, x):
     hidden = torch.tanh(x @ params["w_in"] + params["b_in"])
     return hidden @ params["w_out"] + 0.5 * (x * x).sum()
@@ -102,13 +97,12 @@ for name, result, exact in [
     assert error < 1e-6, name
 
 # %%
-# Sixteen nestings, through dynamo
-# --------------------------------
+# Nestings that compile, through dynamo
+# --------------------------------------
 # Each row is compiled with ``fullgraph=True`` (a graph break would raise) and ``GraphCounter``,
-# counts what dynamo captures, and is checked against eager code and float64 closed forms. The
-# function, ``wave(x) = 2.0 * sin(A x)``, holds a Python float and a constant matrix; its Jacobian
-# is ``2 cos(A x) A`` (row by row), and its sum, ``height``, has the Hessian
-# ``-2 Aᵀ diag(sin(A x)) A``. The two that fail run in a child process on the CPU, started now.
+# and checked against eager code and float64 closed forms: ``wave(x) = 2.0 * sin(A x)`` (a Python
+# float, a constant matrix) has the Jacobian ``2 cos(A x) A`` (row by row); its sum, ``height``,
+# the Hessian ``-2 Aᵀ diag(sin(A x)) A``. The two that fail run in a child process on the CPU.
 CHILD = """
 import gc, torch
 from torch.func import grad, hessian, jacfwd, vmap
@@ -208,11 +202,11 @@ with warnings.catch_warnings(record=True, action="always") as caught:
         out = flat(torch.compile(fn, backend=backend, fullgraph=True)())
         to_eager = (out - flat(fn())).abs().max().item()
         error = relative_error(out, flat(exact_out))
-        calls = sum(n.op.startswith("call") for n in backend.graphs[0].graph.nodes)
+        calls = sum(n.op.startswith("call") for n in backend[0].graph.nodes)
         breaks = sum(counters["graph_break"].values())
-        print(f"{name:28} {len(backend.graphs):6} {breaks:6} {calls:5}  ", end="")
+        print(f"{name:28} {len(backend):6} {breaks:6} {calls:5}  ", end="")
         print(f"{to_eager:8.1e}  {error:9.1e}")
-        assert (len(backend.graphs), breaks, to_eager) == (1, 0, 0), name
+        assert (len(backend), breaks, to_eager) == (1, 0, 0), name
         assert error < 1e-6, name
     fn, exact_out = rows["allow_in_graph(vmap(grad))"]  # through AOTAutograd too
     out = torch.compile(fn, backend="aot_eager", fullgraph=True)()
@@ -225,14 +219,13 @@ assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback
 # One graph each, no break, ``jacfwd`` with its Python float included (pytorch#125078, fixed), the
 # numbers of eager code bit for bit (``GraphCounter`` runs dynamo's graph on eager kernels), and
 # the closed forms' (bound 1e-6). Dynamo traces into the transforms (the calls column);
-# ``allow_in_graph``, the functorch-era workaround, hides the call behind one node and is not
-# needed. No "batching rule for aten::matmul" warning came, with ``GraphCounter`` or through
-# AOTAutograd (``aot_eager``, where pytorch#97425 met it with that workaround): the check fails on
-# any. Elsewhere: ``functorch.compile``
-# (:ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`); a compiled function called
-# *inside* a transform is not compiled (:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`,
-# section 12); compiled ``grad`` ignores a custom ``autograd.Function``'s ``backward``, silently,
-# in this release (pytorch#193279;
+# ``allow_in_graph``, the functorch-era workaround, hides the call behind one node: not needed. No
+# "batching rule for aten::matmul" warning came, with ``GraphCounter`` or through AOTAutograd
+# (``aot_eager``, where pytorch#97425 met it with that workaround): the check fails on any. See
+# :ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py` for ``functorch.compile``;
+# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` (section 12): a compiled function called
+# *inside* a transform is not compiled; compiled ``grad`` ignores a custom ``autograd.Function``'s
+# ``backward``, silently, in this release (pytorch#193279;
 # :ref:`sphx_glr_auto_examples_guides_plot_extending_torch_func.py`).
 
 # %%
@@ -244,10 +237,8 @@ assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback
 # code works (checked below). Open: pytorch#160508, pytorch#151196. Worse, once the error's frames
 # are freed the thread excludes more dispatch keys, and even an eager ``grad`` fails: hence the
 # child process (in a notebook, restart the kernel). The child frees them with ``gc.collect()``;
-# in a script, the break comes whenever Python's cycle collector next runs. Two ways around it are
-# in the table: ``vmap(jacrev(jacrev))`` for Hessians, and for forward-mode Jacobians
-# :func:`~torch.func.jvp` of the ``vmap``-ed function over the basis vectors
-# (``jacobians_forward``: the same products, nested the other way round).
+# in a script, the break comes whenever Python's cycle collector next runs. Ways around it, in the
+# table: ``vmap(jacrev(jacrev))`` for Hessians; ``jvp`` over basis vectors (``jacobians_forward``).
 for name, fn in [("jac", jacfwd(wave)), ("hess", hessian(height))]:  # eager
     error = relative_error(vmap(fn, B)(xs, A), S[name])
     print(f"eager, against the closed form's {name}: {error:.1e} (bound 1e-6)")
@@ -269,36 +260,29 @@ assert broken == "Cannot access data pointer of Tensor that doesn't have storage
 # %%
 # A transform's functions are one code object to dynamo
 # ------------------------------------------------------
-# ``torch.compile(vmap(f))`` compiles the function ``vmap`` returns; all of them share one code
+# ``torch.compile(vmap(f))`` compiles the function ``vmap`` returns: all of them share one code
 # object, as do all that ``grad``, ``jacrev`` or ``jacfwd`` return (``hessian`` returns
-# ``jacfwd``'s), and all that one factory of yours returns: each ``def`` statement is one code
-# object. Dynamo keeps ``recompile_limit`` versions per code object; a limit of 1 shows what comes
-# next. Under ``fullgraph=True`` the call raises, and that is all: a later ``vmap``-ed function
-# compiles. Without it the call runs eagerly, with a logged warning (kept off stderr here), and
-# dynamo compiles nothing more for that code object until ``torch.compiler.reset()``: a later
-# ``vmap``-ed function runs a version compiled before if one fits, else runs eagerly (under
-# ``fullgraph=True``: "found no compiled frames"). So pass what varies as tensors (dynamo guards
-# their shapes, not values), as the recipe passes ``params``; where functions vary, raise
-# ``recompile_limit`` or reset.
+# ``jacfwd``'s), and all that a factory of yours returns: one per ``def`` or ``lambda`` in the
+# source. Dynamo keeps ``recompile_limit`` versions per code object; a limit of 1 shows the rest.
+# Under ``fullgraph=True`` the call raises, and that is all: a later ``vmap``-ed function compiles.
+# Without it, the call runs eagerly with a logged warning (kept off stderr here), and dynamo
+# compiles nothing more for that code object until ``torch.compiler.reset()``: a later one runs a
+# version compiled before if one fits, else eagerly (``fullgraph=True``: "found no compiled
+# frames"). So pass what varies as tensors (dynamo guards shapes, not values), as the recipe passes
+# ``params``; where functions vary, raise ``recompile_limit`` or reset.
 def run(f, fullgraph=True):  # compile a new vmap-ed function of f, and call it
     return torch.compile(vmap(f, B), backend=backend, fullgraph=fullgraph)(xs, A)
 
 
 def per_sample_grads(act):  # a factory of functions of your own
-    def own(xs):
-        return vmap(grad(lambda x: act(x).sum()))(xs)
-
-    return own
+    return lambda xs: vmap(grad(lambda x: act(x).sum()))(xs)
 
 
 sin_grads, cos_grads = per_sample_grads(torch.sin), per_sample_grads(torch.cos)
-transforms = (vmap, grad, jacrev, jacfwd, hessian)
-shared = [f(height).__code__ is f(wave).__code__ for f in transforms]
+shared = [f(height).__code__ is f(wave).__code__ for f in (vmap, grad, jacrev, jacfwd)]
 shared += [hessian(height).__code__ is jacfwd(wave).__code__]
 shared += [sin_grads.__code__ is cos_grads.__code__]
-print(
-    f"one code object per transform: {shared[:5]}; hessian's, jacfwd's; factory: {shared[5:]}"
-)
+print(f"one code object: {shared} (four transforms; hessian is jacfwd; factory)")
 assert all(shared), shared
 backend, check = GraphCounter(), TestCase()  # for its assertLogs and assertRaises
 limit_1 = lambda: torch._dynamo.config.patch(recompile_limit=1)  # noqa: E731
@@ -308,40 +292,34 @@ with check.assertLogs("torch._dynamo.convert_frame", "WARNING") as logged:
         run(jacrev(height))
     assert str(failed.exception) == "Hard failure due to fullgraph=True"
     run(jacrev(height))  # at the default limit: a second version
-    print(f"with fullgraph=True: {failed.exception}; then {len(backend.graphs)} graphs")
-    assert len(backend.graphs) == 2
+    print(f"with fullgraph=True: {failed.exception}; then {len(backend)} graphs")
     with limit_1():
         eager_run = run(jacrev(wave), fullgraph=False)
     with check.assertRaises(RuntimeError) as failed:  # at the default limit
         run(jacrev(wave))
     run(grad(height))  # fits the first version: runs it, no complaint
-    torch.compile(sin_grads, backend=backend, fullgraph=True)(
-        xs
-    )  # own's code: compiles
+    torch.compile(sin_grads, backend=backend, fullgraph=True)(xs)  # compiles
     with limit_1(), check.assertRaises(FailOnRecompileLimitHit):
         torch.compile(cos_grads, backend=backend, fullgraph=True)(xs)
 message = str(failed.exception).split(". ")[0]
 assert message == "torch.compile with fullgraph=True found no compiled frames"
-print(f"then a later vmap-ed function, with fullgraph=True: RuntimeError: {message}")
-warned = [line.splitlines()[0] for line in logged.output if "(1)" in line]
 torch.testing.assert_close(eager_run, vmap(jacrev(wave), B)(xs, A))
-assert len(backend.graphs) == 3 and len(warned) == 3, (len(backend.graphs), warned)
-print(f"without fullgraph: right numbers, no new graph; logged: {warned[0]}")
+warned = [line for line in logged.output if "hit config.recompile_limit (1)" in line]
+assert len(backend) == 3 and len(warned) == 3, (len(backend), warned)
+print(f"without fullgraph: right numbers, a warning; a later one raises: {message}")
 torch.compiler.reset()  # dynamo's caches only: inductor's on disk stay
 run(jacrev(wave))
-assert len(backend.graphs) == 4
-print(
-    "the factory's second at a limit of 1: FailOnRecompileLimitHit; after reset(): a graph"
-)
+assert len(backend) == 4
+print("the factory's second, at a limit of 1: raised; after reset(): a graph")
 
 # %%
 # A new batch size: what recompiles
 # ---------------------------------
-# Dynamo remembers shapes per code object, so each mode starts from ``torch.compiler.reset()`` and
-# compiles ``sin_grads`` (with ``GraphCounter``) at batch sizes 8, 16, 32, 8. By default the second
-# size recompiles with a symbolic batch size that later sizes reuse; ``dynamic=False`` compiles each
-# size; ``dynamic=True`` and ``torch._dynamo.mark_dynamic`` compile once; all match eager code. A
-# loss that pins the batch size does otherwise: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
+# Dynamo remembers shapes per code object: each mode resets dynamo, then compiles ``sin_grads``
+# (with ``GraphCounter``) at batch sizes 8, 16, 32, 8. By default the second size recompiles with a
+# symbolic batch size that later sizes reuse; ``dynamic=False`` compiles each size;
+# ``dynamic=True`` and ``torch._dynamo.mark_dynamic`` compile once; all match eager code. A loss
+# that pins the batch size does otherwise: :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`.
 expected = {"default": [1, 2, 2, 2], "dynamic=False": [1, 2, 3, 3]}
 modes = {"default": None, "dynamic=False": False, "dynamic=True": True}
 modes["mark_dynamic"] = None
@@ -354,7 +332,7 @@ for mode, dynamic in modes.items():
         if mode == "mark_dynamic":
             torch._dynamo.mark_dynamic(xs, 0)
         torch.testing.assert_close(fn(xs), sin_grads(xs))
-        counts.append(len(backend.graphs))
+        counts.append(len(backend))
     print(f"{mode:14} graphs compiled after each call: {counts}")
     assert counts == expected.get(mode, [1, 1, 1, 1]), (mode, counts)
 
@@ -371,7 +349,7 @@ def noisy(xs):
     return vmap(lambda x: x + torch.rand_like(x), randomness="different")(xs)
 
 
-zeros, draws = torch.zeros(6, 3, device=device), {}
+zeros, draws, matches = torch.zeros(6, 3, device=device), {}, {}
 compiled_noisy = torch.compile(noisy, fullgraph=True)
 for name, fn in [("eager", noisy), ("compiled", compiled_noisy)]:
     torch.manual_seed(0)
@@ -383,20 +361,20 @@ with torch._inductor.config.patch(fallback_random=True):
         draws[f"compiled {name} fallback_random=True"] = fn(zeros)
 for name, draw in draws.items():
     assert not (draw == draw[0]).all(), f"{name}: the samples share a draw"
-    print(f"{name:37} one draw per row; eager's: {torch.equal(draw, draws['eager'])}")
-equal_to_eager = [torch.equal(draw, draws["eager"]) for draw in draws.values()]
-assert equal_to_eager == [True, False, False, True], equal_to_eager
+    matches[name] = [torch.equal(draw, draws[k]) for k in ("eager", "compiled")]
+    print(f"{name:37} one draw per row; equal to eager's, compiled's: {matches[name]}")
+assert list(matches.values()) == [[1, 0], [0, 1], [0, 1], [1, 0]], matches
 
 # %%
 # Is it faster?
 # -------------
 # The recipe at the batch above and a larger one, by :class:`torch.utils.benchmark.Timer` on all
-# threads after a warm-up: median, interquartile range (IQR), blocks. The reset above emptied
+# threads after a warm-up: median, interquartile range (IQR), blocks. The resets above emptied
 # dynamo's caches, not inductor's on disk: each size first compiles again, timed apart, with
-# inductor's hits and misses. A timed call must run compiled code: ``fullgraph=True`` turns the
-# eager fallbacks above into errors; no Python dispatch mode is active (under one, dynamo does not
-# compile); a profiled call at each size holds a "Torch-Compiled Region" event; and dynamo
-# compiles nothing new while the timer runs.
+# inductor's hits and misses. A timed call must run compiled code: ``fullgraph=True`` turns eager
+# fallbacks into errors; no Python dispatch mode is active (under one, dynamo does not compile);
+# once both sizes compiled, a profiled call at each holds one "Torch-Compiled Region" event, the
+# same (one version serves both); and dynamo compiles nothing new while the timer runs.
 big = torch.randn(16384, 3, device=device)
 assert _get_current_dispatch_mode() is None
 for configs in positions, big:
@@ -408,10 +386,12 @@ for configs in positions, big:
     print(f"first call at {len(configs)}: {seconds:.1f} s (measured once); ", end="")
     print(cache.format_map(counters["inductor"]))
     torch.testing.assert_close(result, energy_grads(params, configs))
-    with profile() as prof:
+with profile() as prof:  # after both compiled: what the timer will run
+    for configs in positions, big:
         compiled_grads(params, configs)
-    region = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
-    assert region, f"not compiled at {len(configs)}"
+regions = [e.name for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+print(f"profiled, one call at each size: {regions}")
+assert len(regions) == 2 and regions[0] == regions[1], regions
 graphs_before, times = counters["stats"]["unique_graphs"], {}
 threads, stmt = torch.get_num_threads(), "fn(params, configs)"
 for size, configs in [("small", positions), ("large", big)]:
@@ -426,13 +406,11 @@ for size, configs in [("small", positions), ("large", big)]:
     words = "takes {:.2f}x the time of" if ratio >= 1 else "is {:.2f}x faster than"
     print(f"  {size}: compiled", words.format(max(ratio, 1 / ratio)), "eager")
 assert counters["stats"]["unique_graphs"] == graphs_before, "the timer compiled again"
-
 fig, ax = plt.subplots(figsize=(6, 2.6), layout="constrained")
-for i, (method, colour) in enumerate(METHOD_COLORS.items()):
+for i, (method, c) in enumerate(METHOD_COLORS.items()):
     ms = [times[size, method] for size in ("small", "large")]
     medians, spreads = [m.median * 1e3 for m in ms], [m.iqr * 1e3 / 2 for m in ms]
-    x_at = [0.4 * i, 1 + 0.4 * i]
-    ax.bar(x_at, medians, 0.4, yerr=spreads, color=colour, label=method)
+    ax.bar((0.4 * i, 1 + 0.4 * i), medians, 0.4, yerr=spreads, color=c, label=method)
 ax.set_xticks([0.2, 1.2], [f"{len(c)} configurations" for c in (positions, big)])
 ax.tick_params(which="minor", labelleft=False)  # decades only, on the log axis
 ax.set(yscale="log", ylabel=f"median ms, {device.type}", title="vmap(grad(energy))")
@@ -461,11 +439,12 @@ for p, configs, bound in (params, positions, 1e-6), (params64, x64.detach(), 1e-
 # %%
 # What to remember
 # ----------------
-# * Compile a function of your own around the transforms, with ``fullgraph=True``: the recipe
-#   and the table's nestings compile into one graph, without ``allow_in_graph``.
+# * Compile a function of your own around the transforms, with ``fullgraph=True``, passing what
+#   varies as tensors: the recipe and the table's nestings compile into one graph each.
 # * Compiled ``vmap(jacfwd)`` and ``vmap(hessian)`` of a function with a constant factor fail with
 #   an internal assert and break the process (on the CPU, in this release): restart, and use
 #   ``vmap(jacrev(jacrev))`` or ``jvp`` over basis vectors.
-# * The functions one transform returns are one code object to dynamo: compiled directly, past
-#   ``recompile_limit`` versions they run eagerly, or raise under ``fullgraph=True``.
+# * Dynamo keeps ``recompile_limit`` versions per code object, one for all that a transform (or a
+#   factory of yours) returns. Past it a call raises under ``fullgraph=True``, or else runs eagerly
+#   and nothing more compiles for that code object until ``torch.compiler.reset()``.
 # * Check compiled results against float64 with a relative bound, not bitwise against eager code.
