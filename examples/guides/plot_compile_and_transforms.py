@@ -111,7 +111,7 @@ wave = lambda x: 2.0 * torch.sin(A @ x)
 excluded = lambda: len(str(torch._C._dispatch_tls_local_exclude_set()).split(","))
 before, kept = excluded(), []  # the errors stay alive until the end
 for name, fn in [("vmap(jacfwd)", vmap(jacfwd(wave))),
-                 ("vmap(hessian)", vmap(hessian(lambda x: wave(x).sum())))]:
+                 ("vmap(hessian)", vmap(hessian(lambda x: torch.sin(A @ x).sum())))]:
     try:
         torch.compile(lambda xs, fn=fn: fn(xs), fullgraph=True)(xs)
     except RuntimeError as failure:
@@ -231,14 +231,14 @@ assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback
 # %%
 # ``vmap(jacfwd)`` and ``vmap(hessian)``: an internal assert, then a broken process
 # ---------------------------------------------------------------------------------
-# Compiled, ``vmap`` of :func:`~torch.func.jacfwd` (and of :func:`~torch.func.hessian`, which is
-# ``jacfwd(jacrev)``) fails when the function multiplies by a constant: ``2.0`` here (in our tries
-# also a constant tensor, and a division). Without the factor it compiles (see the table); eager
-# code works (checked below). Open: pytorch#160508, pytorch#151196. Worse, once the error's frames
-# are freed the thread excludes more dispatch keys, and even an eager ``grad`` fails: hence the
-# child process (in a notebook, restart the kernel). The child frees them with ``gc.collect()``;
-# in a script, the break comes whenever Python's cycle collector next runs. Ways around it, in the
-# table: ``vmap(jacrev(jacrev))`` for Hessians; ``jvp`` over basis vectors (``jacobians_forward``).
+# Compiled, ``vmap`` of :func:`~torch.func.jacfwd` fails when the function multiplies by a constant:
+# ``2.0`` here; without the factor it compiles (see the table). ``vmap`` of
+# :func:`~torch.func.hessian` (``jacfwd(jacrev)``) fails even without one: the child's is ``sin(A
+# x)`` summed. Eager code works (checked below). Open: pytorch#160508, pytorch#151196. Worse, once
+# the error's frames are freed the thread excludes more dispatch keys, and even an eager ``grad``
+# fails: hence the child process (in a notebook, restart the kernel). The child frees them with
+# ``gc.collect()``; in a script, the break comes whenever Python's cycle collector next runs. Ways
+# around it, in the table: ``vmap(jacrev(jacrev))``; ``jvp`` over basis vectors.
 for name, fn in [("jac", jacfwd(wave)), ("hess", hessian(height))]:  # eager
     error = relative_error(vmap(fn, B)(xs, A), S[name])
     print(f"eager, against the closed form's {name}: {error:.1e} (bound 1e-6)")
@@ -441,10 +441,10 @@ for p, configs, bound in (params, positions, 1e-6), (params64, x64.detach(), 1e-
 # ----------------
 # * Compile a function of your own around the transforms, with ``fullgraph=True``, passing what
 #   varies as tensors: the recipe and the table's nestings compile into one graph each.
-# * Compiled ``vmap(jacfwd)`` and ``vmap(hessian)`` of a function with a constant factor fail with
-#   an internal assert and break the process (on the CPU, in this release): restart, and use
+# * Compiled ``vmap(jacfwd)`` of a function with a constant factor, and ``vmap(hessian)``, fail
+#   with an internal assert and break the process (on the CPU, in this release): restart, use
 #   ``vmap(jacrev(jacrev))`` or ``jvp`` over basis vectors.
-# * Dynamo keeps ``recompile_limit`` versions per code object, one for all that a transform (or a
-#   factory of yours) returns. Past it a call raises under ``fullgraph=True``, or else runs eagerly
-#   and nothing more compiles for that code object until ``torch.compiler.reset()``.
+# * Dynamo keeps about ``recompile_limit`` versions per code object, shared by all that a
+#   transform (or a factory of yours) returns. Past it a call raises under ``fullgraph=True``, or
+#   runs eagerly and nothing more compiles for that code object until ``torch.compiler.reset()``.
 # * Check compiled results against float64 with a relative bound, not bitwise against eager code.
