@@ -231,8 +231,8 @@ assert not [w for w in caught if "batching rule" in str(w.message)], "a fallback
 # %%
 # ``vmap(jacfwd)`` and ``vmap(hessian)``: an internal assert, then a broken process
 # ---------------------------------------------------------------------------------
-# Compiled, ``vmap`` of :func:`~torch.func.jacfwd` fails when the function multiplies by a constant:
-# ``2.0`` here; without the factor it compiles (see the table). ``vmap`` of
+# Compiled, ``vmap`` of :func:`~torch.func.jacfwd` fails when the function multiplies (or divides)
+# by a constant, ``2.0`` here; without the factor it compiles (see the table). ``vmap`` of
 # :func:`~torch.func.hessian` (``jacfwd(jacrev)``) fails even without one: the child's is ``sin(A
 # x)`` summed. Eager code works (checked below). Open: pytorch#160508, pytorch#151196. Worse, once
 # the error's frames are freed the thread excludes more dispatch keys, and even an eager ``grad``
@@ -264,7 +264,7 @@ assert broken == "Cannot access data pointer of Tensor that doesn't have storage
 # object, as do all that ``grad``, ``jacrev`` or ``jacfwd`` return (``hessian`` returns
 # ``jacfwd``'s), and all that a factory of yours returns: one per ``def`` or ``lambda`` in the
 # source. Dynamo keeps ``recompile_limit`` versions per code object; a limit of 1 shows the rest.
-# Under ``fullgraph=True`` the call raises, and that is all: a later ``vmap``-ed function compiles.
+# Under ``fullgraph=True`` the call raises, and that is all: a later one compiles (below the limit).
 # Without it, the call runs eagerly with a logged warning (kept off stderr here), and dynamo
 # compiles nothing more for that code object until ``torch.compiler.reset()``: a later one runs a
 # version compiled before if one fits, else eagerly (``fullgraph=True``: "found no compiled
