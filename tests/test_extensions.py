@@ -1,10 +1,12 @@
 """The site's Sphinx extensions (docs/sphinxext) and tools, on small inputs: seconds, no build."""
 
+import importlib.util
 import re
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from docutils import nodes
 from docutils.frontend import get_default_settings
 from docutils.parsers.rst import Parser
@@ -24,6 +26,7 @@ import notebook_install_cell  # noqa: E402
 import offline_assets  # noqa: E402
 import reading_order  # noqa: E402
 import reproduce  # noqa: E402
+import reset_between_examples  # noqa: E402
 import thumbnail_alt_text  # noqa: E402
 
 
@@ -409,8 +412,6 @@ result = compiled(torch.ones(3, 2))
 
 def run_as_main(source):
     """Run source as sphinx-gallery runs an example: in a ``__main__`` module of its own."""
-    import importlib.util
-
     main = importlib.util.module_from_spec(
         importlib.util.spec_from_loader("__main__", None)
     )
@@ -425,9 +426,6 @@ def run_as_main(source):
 
 def test_the_reset_lets_the_next_example_compile_a_transform_of_its_own_functions():
     """Dynamo keeps the first example's ``__main__`` for guards in torch's own frames."""
-    import reset_between_examples
-    import torch
-
     run_as_main(EXAMPLE_COMPILING.format(helper="wave"))
     reset_between_examples.reset_state({}, "plot_second.py")
     second = run_as_main(EXAMPLE_COMPILING.format(helper="ripple"))

@@ -234,7 +234,7 @@ check("size=2: the first two only", first_two, loop[:, :2], 0)
 
 # %%
 # The batched rewrite: a stable sort of the negated mask puts the selected positions first, in
-# order. Gather the values with the positions clamped (``gather`` raises on an index of -1)
+# order. Gather the values with the positions clamped to real indices (-1 is none)
 # and zero them where the validity mask says so: ``x[x > 0]``, padded.
 def first_positions(mask, length):
     """Positions of mask's first `length` True entries, padded with -1, and validity."""

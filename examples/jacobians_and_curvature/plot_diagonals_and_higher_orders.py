@@ -204,8 +204,8 @@ probes = (torch.randint(0, 2, (B, S, d), generator=gen) * 2 - 1).to(**f64)
 samples = probes * batched_hvp(w, probes.reshape(B * S, d)).reshape(B, S, d)  # v ⊙ H v
 within("each probe's v ⊙ Hv vs the closed form", samples, probes * (probes @ H),
        8 * EPS * H.abs().sum(1).max())  # fmt: skip
-estimates = samples.mean(1)  # (B, d): B independent estimates, each of S probes
-estimate = estimates[0]  # the one you would use; the others serve the checks below
+# (B, d): B independent estimates, each of S probes; you would use one, the rest serve the checks
+estimates = samples.mean(1)
 off_diagonal = H.square().sum(1) - H.diagonal().square()  # Σ_{j≠i} H_ij²
 standard_error = (off_diagonal / S).sqrt()
 z_scores = (estimates - H.diagonal()) / standard_error
