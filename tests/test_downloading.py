@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -31,16 +32,53 @@ def downloaded(site, name):
     return matches[0]
 
 
-@pytest.mark.parametrize("example", NOTEBOOK_EXAMPLES, ids=str)
-def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(site, example, tmp_path):
-    notebook = nbformat.read(downloaded(site, f"{example.stem}.ipynb"), as_version=4)
+# Two kernels at a time, one thread each: on a 2-core machine both cores stay busy while one
+# notebook waits on Python or on a timer (the examples time themselves for a minimum run time).
+# One thread each, because two kernels of two threads on two cores slow each other down many
+# times over. Timings are never asserted, so the thread count changes no checked result.
+NOTEBOOK_WORKERS = 2
+NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
+
+
+def execute_notebook(path, workdir):
+    """Run one downloaded notebook in a fresh kernel, as Jupyter would; return it, run."""
+    notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
+        resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute()  # raises CellExecutionError on the first error cell
+    # One thread per kernel (see NOTEBOOK_WORKERS); raises on the first error cell.
+    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return notebook
+
+
+@pytest.fixture(scope="module")
+def running_notebooks(site, request, tmp_path_factory):
+    """The notebooks this run selected, started NOTEBOOK_WORKERS at a time in test order."""
+    selected = [
+        item.callspec.params["example"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == NOTEBOOK_TEST
+    ]
+    pool = ThreadPoolExecutor(NOTEBOOK_WORKERS)
+    futures = {
+        example: pool.submit(
+            execute_notebook,
+            downloaded(site, f"{example.stem}.ipynb"),
+            tmp_path_factory.mktemp(example.stem),
+        )
+        for example in selected
+    }
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("example", NOTEBOOK_EXAMPLES, ids=str)
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(running_notebooks, example):
+    # Waits for this notebook, and re-raises its first error.
+    notebook = running_notebooks[example].result()
     errors = [
         out
         for cell in notebook.cells
