@@ -281,6 +281,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             {"plot_troubleshooting_arguments"},
         ),
         ("Trying to use forward AD with igamma", {"plot_troubleshooting_libraries"}),
+        (
+            "Inference tensors cannot be saved for backward",
+            {"plot_troubleshooting_custom_and_compiled"},
+        ),
+        (
+            "RuntimeError when making fake tensor call",
+            {"plot_troubleshooting_custom_and_compiled"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

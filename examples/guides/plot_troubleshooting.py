@@ -2,14 +2,14 @@
 Troubleshooting torch.func, by error message
 ============================================
 
-Paste an error message into the search box to find this page: each section's title begins with
-the message's first words as PyTorch 2.13 prints them, in alphabetical order. Each section
-triggers the error (or links the one that does), asserts its type and words (``raises``), says
-where it comes from, often inside PyTorch, and checks the fix against a reference (``agree``).
-Errors explained in :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` get a short section
-and a link; part 2, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, has
-those about arguments and outputs; part 3, from library code, is
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`.
+Paste an error message into the search box to find this page: each title begins with the message's
+first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or
+links it), asserts its type and words (``raises``) and checks the fix against a reference
+(``agree``); :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Part 2,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, has arguments and outputs;
+part 3, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`, library code; part
+4, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_custom_and_compiled.py`, custom
+operators, compiled and scripted code.
 """
 
 import contextlib
