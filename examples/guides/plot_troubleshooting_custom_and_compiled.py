@@ -112,33 +112,33 @@ matches("register_vmap, in place", vmap(doubled)(samples), 2 * samples, 1e-6)
 # %%
 # Batching rule not implemented for aten::is_nonzero. We could not generate a fallback
 # ------------------------------------------------------------------------------------
-# A ``RuntimeError`` from ``torch._vmap_internals._vmap``, the older ``vmap`` that
-# ``torch.autograd.functional``'s ``jacobian`` and ``hessian`` use with ``vectorize=True`` to map
-# the backward over a batch, and that pytorch-minimize calls directly (rfeinman/pytorch-minimize
-# #33). It cannot batch an ``if`` on a tensor (``is_nonzero``). An ``if`` in the forward passes;
-# one that runs backward, here in a hook clipping the gradient's norm to 1, fails.
-# :func:`~torch.func.jacrev` raises part 1's data-dependent control flow error there.
+# A ``RuntimeError`` from ``torch._vmap_internals._vmap``, the older ``vmap`` with which
+# ``torch.autograd.functional`` maps the backward (``vectorize=True``), and that pytorch-minimize
+# calls directly (rfeinman/pytorch-minimize #33). It cannot batch an ``if`` on a tensor
+# (``is_nonzero``). An ``if`` in the forward passes; one in a backward hook clipping a row's norm to
+# 1 fails (:func:`~torch.func.jacrev`: part 1's data-dependent error).
 
 
 def scaled_sine(x, clip=lambda g: g / g.norm() if g.norm() > 1 else g):
     y = torch.sin(x)
     if y.requires_grad:
         y.register_hook(clip)  # runs in the backward pass
-    return 3 * y
+    return scales * y
 
 
 point, batched = torch.tensor([0.4, -1.1, 2.0], **wide), {"vectorize": True}
+scales = torch.tensor([3.0, 0.5, 2.0], **wide)  # rows of these norms reach the hook
 branchy = lambda x: x.sin() if x.sum() > 0 else x.cos()  # noqa: E731
 diagonal = torch.diag(point.cos())  # sum > 0 here: the Jacobian of sin
 matches("if, vectorize", jacobian(branchy, point, **batched), diagonal, 1e-14)
 refuses(lambda: jacobian(scaled_sine, point, **batched), RuntimeError, "is_nonzero")
 refuses(lambda: jacrev(scaled_sine)(point), RuntimeError, "data-dependent control flow")
-# The fix: no if on a batched value (clamp, torch.where). Reference: a row's gradient 3 eᵢ has
-# norm 3, clipped to eᵢ, times cos xᵢ: diag(cos x), as the unbatched loop gives.
+# The fix: no if on a batched value (clamp, torch.where); reference: diag(min(s, 1) cos x).
+clipped = torch.diag(scales.clamp(max=1) * point.cos())
 clamped = lambda x: scaled_sine(x, lambda g: g / g.norm().clamp_min(1))  # noqa: E731
-matches("hook's clamp, vectorize", jacobian(clamped, point, **batched), diagonal, 1e-14)
-matches("hook's clamp, jacrev", jacrev(clamped)(point), diagonal, 1e-14)
-matches("hook's if, loop", jacobian(scaled_sine, point), diagonal, 1e-14)
+matches("hook's clamp, vectorize", jacobian(clamped, point, **batched), clipped, 1e-14)
+matches("hook's clamp, jacrev", jacrev(clamped)(point), clipped, 1e-14)
+matches("hook's if, loop", jacobian(scaled_sine, point), clipped, 1e-14)
 
 # %%
 # Batching rule not implemented for vendor::gate. We could not generate a fallback
