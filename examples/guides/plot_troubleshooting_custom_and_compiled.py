@@ -71,21 +71,21 @@ assert torch.equal(as_bytes, samples.view(torch.uint8))  # the thread's case
 FOURTH = """
 import json, torch
 from torch.func import grad, hessian, jacrev
-from torch._dynamo.utils import counters
+from torch._dynamo import exc, utils
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
 x = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64)
 def attempt(fn, **options):  # the result, or the error's type, first line, an internal assert
     try:
         return torch.compile(fn, **options)(x).tolist()
-    except Exception as e:
+    except (exc.TorchRuntimeError, exc.BackendCompilerFailed) as e:  # any other fails the child
         return [type(e).__name__, str(e).splitlines()[0], "INTERNAL ASSERT" in str(e)]
 print(json.dumps({"weights": [p.tolist() for p in m.parameters()],  # in this order:
     "hessian(hessian)": attempt(hessian(hessian(m)), fullgraph=True),
     "then grad(m)": attempt(grad(lambda v: m(v).sum()), fullgraph=True),
     "jacrev x4": attempt(jacrev(jacrev(jacrev(jacrev(m)))), fullgraph=True, backend="aot_eager"),
     "no fullgraph": attempt(hessian(hessian(m))),
-    "graphs compiled": counters["stats"]["unique_graphs"]}))
+    "graphs compiled": utils.counters["stats"]["unique_graphs"]}))
 """
 child = Popen([sys.executable, "-c", FOURTH], stdout=PIPE, stderr=PIPE, text=True)
 to_sine = lambda s: torch.sin(s, out=torch.empty_like(s))  # noqa: E731
