@@ -7,11 +7,21 @@ test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
 import pytest
-from helpers import EXAMPLES, copy_sources, make, times_from_execution_page
+from helpers import (
+    EXAMPLES,
+    copy_sources,
+    downloaded,
+    make,
+    read_times,
+    times_from_execution_page,
+)
+from nbclient import NotebookClient
 
 
 @dataclass
@@ -43,6 +53,59 @@ def site(tmp_path_factory) -> Site:
 
 
 BUILT_TREES = []  # the site fixture's build, for the time report at the end
+
+# Every downloaded notebook runs again in a real kernel (test_downloading.py). They start as soon
+# as the site is built and run in the background while the other tests run, whose browser, make
+# and server waits leave cores idle; their tests are collected last and only wait for them.
+# Two kernels at a time, one thread each: two kernels of two threads on two cores slow each
+# other down many times over. Timings are never asserted, so the thread count changes no
+# checked result.
+NOTEBOOK_WORKERS = 2
+NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
+CELL_TIMEOUT_S = 300
+
+
+def execute_notebook(path, workdir):
+    """Run one downloaded notebook in a fresh kernel, as Jupyter would; return it, run."""
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(workdir)}},
+    )
+    # One thread per kernel (see NOTEBOOK_WORKERS); raises on the first error cell.
+    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return notebook
+
+
+@pytest.fixture(scope="session", autouse=True)
+def running_notebooks(request, tmp_path_factory):
+    """{example: future of its run notebook} for the notebook tests this run selected, started
+    right after the site is built, slowest first (by the recorded times), so that the two
+    kernels finish together; {} without building anything when none is selected."""
+    selected = [
+        item.callspec.params["example"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == NOTEBOOK_TEST
+    ]
+    if not selected:
+        yield {}
+        return
+    site = request.getfixturevalue("site")
+    recorded = read_times()
+    selected.sort(key=lambda example: -recorded.get(example.name, 60.0))
+    pool = ThreadPoolExecutor(NOTEBOOK_WORKERS)
+    futures = {
+        example: pool.submit(
+            execute_notebook,
+            downloaded(site, f"{example.stem}.ipynb"),
+            tmp_path_factory.mktemp(example.stem),
+        )
+        for example in selected
+    }
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def built_site(tree):
@@ -86,3 +149,5 @@ def pytest_collection_modifyitems(items):
         raise pytest.UsageError(
             "no examples/**/plot_*.py found: nothing would be tested"
         )
+    # The notebook tests last: by then their notebooks have run beside the other tests.
+    items.sort(key=lambda item: getattr(item, "originalname", None) == NOTEBOOK_TEST)

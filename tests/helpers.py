@@ -21,6 +21,7 @@ EXAMPLES = sorted(
 
 sys.path.insert(0, str(REPO / "docs" / "sphinxext"))
 from gallery_shards import (  # noqa: E402
+    read_times,  # noqa: F401 (for conftest)
     shard_examples,
     times_from_execution_page,  # noqa: F401 (for conftest)
 )
@@ -82,6 +83,13 @@ def make(
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def downloaded(site, name):
+    """The one file called `name` among the built site's downloads."""
+    matches = list((site.html / "_downloads").rglob(name))
+    assert len(matches) == 1, f"expected one {name} in _downloads, found {matches}"
+    return matches[0]
 
 
 def soup(path):

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -16,68 +15,18 @@ from helpers import (
     NOTEBOOK_EXAMPLES,
     REPO,
     TEST_REPOSITORY,
+    downloaded,
     example_path,
     make,
     small_site,
 )
 from nbclient import NotebookClient
 
-CELL_TIMEOUT_S = 300
-
-
-def downloaded(site, name):
-    """The one file called `name` among the built site's downloads."""
-    matches = list((site.html / "_downloads").rglob(name))
-    assert len(matches) == 1, f"expected one {name} in _downloads, found {matches}"
-    return matches[0]
-
-
-# Two kernels at a time, one thread each: on a 2-core machine both cores stay busy while one
-# notebook waits on Python or on a timer (the examples time themselves for a minimum run time).
-# One thread each, because two kernels of two threads on two cores slow each other down many
-# times over. Timings are never asserted, so the thread count changes no checked result.
-NOTEBOOK_WORKERS = 2
-NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
-
-
-def execute_notebook(path, workdir):
-    """Run one downloaded notebook in a fresh kernel, as Jupyter would; return it, run."""
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        notebook,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(workdir)}},
-    )
-    # One thread per kernel (see NOTEBOOK_WORKERS); raises on the first error cell.
-    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return notebook
-
-
-@pytest.fixture(scope="module")
-def running_notebooks(site, request, tmp_path_factory):
-    """The notebooks this run selected, started NOTEBOOK_WORKERS at a time in test order."""
-    selected = [
-        item.callspec.params["example"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == NOTEBOOK_TEST
-    ]
-    pool = ThreadPoolExecutor(NOTEBOOK_WORKERS)
-    futures = {
-        example: pool.submit(
-            execute_notebook,
-            downloaded(site, f"{example.stem}.ipynb"),
-            tmp_path_factory.mktemp(example.stem),
-        )
-        for example in selected
-    }
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
-
 
 @pytest.mark.parametrize("example", NOTEBOOK_EXAMPLES, ids=str)
 def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(running_notebooks, example):
-    # Waits for this notebook, and re-raises its first error.
+    # The notebooks started right after the site was built (conftest.py); this test runs last,
+    # waits for this one, and re-raises its first error.
     notebook = running_notebooks[example].result()
     errors = [
         out
