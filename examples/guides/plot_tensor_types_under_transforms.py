@@ -182,7 +182,7 @@ must_raise(lambda: wrap_inside(angles[0]), RuntimeError, "doesn't have storage")
 
 # %%
 # ``0.5 * x[0]`` or ``x[0] + 1.0``: float64 tangents in ``jvp`` and ``jacfwd``
-# ---------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # (pytorch#160513, pytorch#90065, functorch#1073.) A function halves one coordinate of its
 # input, then multiplies by a float32 matrix. ``jacrev`` works; ``jvp``, ``jacfwd`` and
 # ``hessian`` fail in the matrix product, because the tangent of ``0.5 * x[0]`` is float64, as
