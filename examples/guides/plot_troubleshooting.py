@@ -4,12 +4,13 @@ Troubleshooting torch.func, by error message
 
 Paste an error message into the search box to find this page: each title begins with the message's
 first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or
-links it), asserts its type and words (``raises``) and checks the fix against a reference
-(``agree``); :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Part 2,
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`, has arguments and outputs;
-part 3, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`, library code; part
-4, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_custom_and_compiled.py`, custom
-operators, compiled and scripted code.
+links it), asserts its type and words (``raises``), checks the fix against a reference (``agree``);
+:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Parts 2 to 6: arguments,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`; library code,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`; custom and compiled code,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_custom_and_compiled.py`,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_compiled_scripted_seeded.py`; installs
+and export, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_versions_and_export.py`.
 """
 
 import contextlib
@@ -133,9 +134,8 @@ agree("has_aux tensor, compiled", jac, want, 1e-14)
 # functional_call got multiple values for keys [...], which are tied
 # -------------------------------------------------------------------
 # A ``ValueError`` when two names of one tied parameter get two tensors, here an output layer
-# reusing the embedding (``named_parameters()`` lists one name). ``tie_weights``: :ref:`pitfalls
-# <sphx_glr_auto_examples_guides_plot_pitfalls.py>`, `section 7
-# <plot_pitfalls.html#tied-weights-in-functional-call>`__.
+# reusing the embedding (``named_parameters()`` lists one name). ``tie_weights``: pitfalls,
+# `section 7 <plot_pitfalls.html#tied-weights-in-functional-call>`__.
 
 
 class TinyLM(nn.Module):  # keyword inputs, as Hugging Face models take them
