@@ -289,6 +289,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "RuntimeError when making fake tensor call",
             {"plot_troubleshooting_custom_and_compiled"},
         ),
+        (
+            "FALLBACK path has been taken inside",
+            {"plot_troubleshooting_compiled_scripted_seeded"},
+        ),
+        (
+            "Cannot insert a Tensor that requires grad as a constant",
+            {"plot_troubleshooting_versions_and_export"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):
