@@ -297,6 +297,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "Cannot insert a Tensor that requires grad as a constant",
             {"plot_troubleshooting_versions_and_export"},
         ),
+        (
+            "Cannot access storage of TensorWrapper",
+            {"plot_troubleshooting_indices_and_batched_grads"},
+        ),
+        (
+            "Thing passed to transform API must be Tensor",
+            {"plot_troubleshooting_indices_and_batched_grads"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

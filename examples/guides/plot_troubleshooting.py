@@ -5,12 +5,13 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box to find this page: each title begins with the message's
 first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or
 links it), asserts its type and words (``raises``), checks the fix against a reference (``agree``);
-:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Parts 2 to 6: arguments,
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`; library code,
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`; custom and compiled code,
+:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Parts 2 to 7:
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_arguments.py`,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_libraries.py`,
 :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_custom_and_compiled.py`,
-:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_compiled_scripted_seeded.py`; installs
-and export, :ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_versions_and_export.py`.
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_compiled_scripted_seeded.py`,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_versions_and_export.py`,
+:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting_indices_and_batched_grads.py`.
 """
 
 import contextlib
@@ -92,9 +93,8 @@ agree("eval-mode per-sample Jacobians", per_sample[:, 0], torch.stack(loop), 1e-
 # %%
 # element 0 of tensors does not require grad and does not have a grad_fn
 # ----------------------------------------------------------------------
-# A ``RuntimeError`` from ``torch.autograd.grad`` inside ``vmap``: there, a sample's output
-# carries no autograd graph back to the weights. The fix: :func:`~torch.func.grad` inside
-# :func:`~torch.func.vmap`, checked against one ``autograd.grad`` per sample in a loop.
+# A ``RuntimeError`` from ``torch.autograd.grad`` inside ``vmap``: a sample's output has no graph to
+# the weights. The fix, :func:`~torch.func.grad` inside ``vmap``, checked against a loop.
 weights = torch.randn(3, **f64, requires_grad=True)
 points, w = torch.randn(5, 3, **f64), weights.detach()
 with raises(RuntimeError, "does not require grad"):
