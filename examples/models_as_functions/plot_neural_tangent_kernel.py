@@ -101,8 +101,8 @@ def check_entries(name, kernel, expected):
 model = SmallConvNet().to(device)
 params = {name: w.detach() for name, w in model.named_parameters()}
 images_1, images_2 = (torch.randn(n, 1, 12, 12, device=device) for n in (8, 6))
-reference = torch.einsum("naf,mbf->nmab", loop_jacobians(model, images_1),
-                         loop_jacobians(model, images_2))  # fmt: skip
+jacobians_2 = loop_jacobians(model, images_2)  # (6, 10, P), reused below
+reference = torch.einsum("naf,mbf->nmab", loop_jacobians(model, images_1), jacobians_2)
 references = {"full": reference, "diagonal": reference.diagonal(dim1=2, dim2=3)}
 references["trace"] = references["diagonal"].sum(-1)
 print(f"P = {sum(p.numel() for p in params.values()):,} parameters, 10 outputs")
@@ -168,7 +168,7 @@ check_entries("ntk-vector products, full",
 pulled_back = pull_back(model, params, images_2)
 stacked_rows = torch.cat([g.flatten(start_dim=1) for g in pulled_back.values()], dim=1)
 check_entries("vmap(vjp_fn) over unit vectors = J₂ᵀ", stacked_rows,
-              loop_jacobians(model, images_2).flatten(0, 1))  # fmt: skip
+              jacobians_2.flatten(0, 1))  # fmt: skip
 
 # %%
 # One product, ``Θ u``, for a random ``u``, against the reference kernel applied to ``u``:
@@ -223,17 +223,21 @@ if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
 
 
 def peak_mib(fn):
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_stats()["requested_bytes.all.current"]
-        fn()
-        return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - held) / 2**20
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
-        fn()
+    gc.disable()  # a collection during the call could free older garbage and hide its peak
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_stats()["requested_bytes.all.current"]
+            fn()
+            peak = torch.cuda.memory_stats()["requested_bytes.all.peak"]
+            return (peak - held) / 2**20
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as rec:
+            fn()
+    finally:
+        gc.enable()
     with tempfile.TemporaryDirectory() as trace_dir:
         trace_file = Path(trace_dir, "allocations.json")
-        recording.export_chrome_trace(str(trace_file))
+        rec.export_chrome_trace(str(trace_file))
         events = json.loads(trace_file.read_text())["traceEvents"]
     allocations = [e["args"] for e in events if e.get("name") == "[memory]"]
     # The running total carries over what earlier recordings saw allocated but not freed:
@@ -245,7 +249,7 @@ def peak_mib(fn):
 def time_and_peak(call):
     timer = benchmark.Timer(stmt="call()", globals={"call": call},
                             num_threads=torch.get_num_threads())  # fmt: skip
-    times = timer.blocked_autorange(min_run_time=0.3)
+    times = timer.blocked_autorange(min_run_time=0.1)
     while len(times.times) < 5:  # a slow call fills few blocks: add blocks of one call
         times = benchmark.Measurement.merge([times, timer.timeit(1)])[0]
     return times, peak_mib(call)

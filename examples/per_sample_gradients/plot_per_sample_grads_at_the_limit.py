@@ -14,7 +14,8 @@ pass and writing the B·P floats of the result into memory the process holds. Me
 # Setup
 # -----
 # Float32 convolutions are checked against float64, so cuDNN's TF32 is off (a CPU ignores the
-# setting); Opacus' warning that the images need no gradient is expected, and silenced.
+# setting); Opacus' warning that the images need no gradient is expected, and silenced. Under
+# glibc, freed memory is kept for reuse, not handed back to the kernel: the timings need that.
 import copy
 import ctypes
 import platform
@@ -37,6 +38,10 @@ torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 torch.backends.cudnn.allow_tf32 = False
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
+if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
+    assert libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1)
 
 
 # %%
@@ -319,25 +324,20 @@ print(f"CNN, batch {B}: FlopCounterMode counts {cnn_flops[1] / cnn_flops[0]:.1f}
 # %%
 # How fast is each method?
 # ------------------------
-# On a CPU, calls allocate up to hundreds of MiB, which glibc would return to the kernel and
-# fault in afresh on the next call; this cell asks it to keep them (:doc:`/reading-timings`).
-# :class:`torch.utils.benchmark.Timer` times each method and part of the floor (the CNN at the
-# tutorial's batch of 64, the MLP over batch sizes), with the interquartile range (IQR) over
-# blocks. Its blocks grow until its overhead, on a GPU a synchronization, is negligible: a call
-# under 0.25 s with fewer than three blocks gets four more of about 50 ms; slower: "one block".
-if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-    libc = ctypes.CDLL(None)
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's <malloc.h>
-    assert libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1)
+# On a CPU, calls allocate up to hundreds of MiB, which glibc keeps for the next call (setup;
+# :doc:`/reading-timings` says why). :class:`torch.utils.benchmark.Timer` times each method and
+# part of the floor (the CNN at the tutorial's batch of 64, the MLP over batch sizes), with the
+# interquartile range (IQR) over blocks that make its overhead negligible (on a GPU, a sync):
+# 0.05 s of them, then more until there are five, each run warmed up; over 0.25 s: "one block".
 
 
 def measure(stmt, context):
     timer = benchmark.Timer(stmt, globals=context, num_threads=torch.get_num_threads())
-    first = timer.blocked_autorange(min_run_time=0.2)
-    if len(first.times) >= 3 or first.median > 0.25:
-        return first
-    more = [timer.timeit(max(1, round(0.05 / first.median))) for _ in range(4)]
-    return benchmark.Measurement.merge([first, *more])[0]
+    got = timer.blocked_autorange(min_run_time=0.05)
+    while len(got.times) < 5 and min(got.times) <= 0.25:  # slower calls: one block
+        more = timer.blocked_autorange(min_run_time=(5 - len(got.times)) * got.median)
+        got = benchmark.Measurement.merge([got, more])[0]
+    return got
 
 
 batch_sizes = {"CNN": [64], "MLP": [16, 64, 256]}
