@@ -30,8 +30,9 @@ LINTED  := examples tests docs tools conf.py
 # Spelling (codespell) of what readers read; reST markup (sphinx-lint) of the hand-written pages.
 SPELLED := examples docs README.md
 NOT_SPELLED := docs/auto_examples,docs/gen_modules,docs/_inventories,docs/sg_execution_times.rst
-# Names codespell takes for typos: Bu (Bu et al., 2023, on the DP-SGD page).
-NOT_TYPOS := bu
+# Names codespell takes for typos: Bu (Bu et al., 2023, on the DP-SGD page); donot (torch.cdist's
+# compute_mode "donot_use_mm_for_euclid_dist", on troubleshooting part 7).
+NOT_TYPOS := bu,donot
 MARKUP  := $(filter-out docs/sg_execution_times.rst,$(wildcard docs/*.rst)) $(wildcard examples/README.rst examples/*/README.rst)
 # make reproduce: fresh runs per example, and where the full report goes (the timings page shows it)
 RUNS    ?= 5
