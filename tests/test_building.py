@@ -343,7 +343,7 @@ def test_the_timings_page_opens_with_the_reports_bottom_line_and_links_them(site
     assert first_section.find("h2").get_text().startswith("How far to trust a ratio")
     assert f"({within} of {total})" in " ".join(first_section.get_text().split())
     gpu = (REPO / "docs" / "measured" / "gpu-report.txt").read_text()
-    assert "NVIDIA H200" in gpu.splitlines()[0] and "torch 2.11.0+cu130" in gpu[:300]
+    assert "NVIDIA H100" in gpu.splitlines()[0] and "torch 2.11.0+cu130" in gpu[:300]
     ratio_rows = re.findall(r"^ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +\d+% .*$", gpu, re.M)
     steady = [row for row in ratio_rows if "<--" not in row]
     assert f"{len(steady)} of {len(ratio_rows)} ratios" in text
