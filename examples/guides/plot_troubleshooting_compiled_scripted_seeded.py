@@ -123,13 +123,13 @@ with warnings.catch_warnings(action="always", record=True) as heard_calls:
     for call in range(3):  # TorchScript optimises after its first, profiling, runs
         try:
             got = vmap(scripted)(batch)
-        except RuntimeError as error:
-            assert device.type == "cuda" and no_storage in str(error), error
+        except RuntimeError as refused:
+            assert device.type == "cuda" and no_storage in str(refused), refused
             outcomes.append(f"RuntimeError: {no_storage}")
             continue
         agrees(f"vmap(scripted), call {call + 1}", got, looped, 1e-7)
         outcomes.append("equal to the loop")
-graph = torch.jit.last_executed_optimized_graph()  # None if no call has finished
+graph = torch.jit.last_executed_optimized_graph()  # this thread's last finished call's
 kinds = sorted({n.kind() for n in graph.nodes()}) if graph is not None else []
 print(f"torch.jit.script warns: {[w.category.__name__ for w in heard]}; the vmap calls: "
       f"{len(heard_calls)} warnings, {outcomes}; graph: {kinds}")  # fmt: skip
