@@ -305,6 +305,9 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "Thing passed to transform API must be Tensor",
             {"plot_troubleshooting_indices_and_batched_grads"},
         ),
+        ("attn_bias: wrong shape", {"plot_troubleshooting_cuda_kernels"}),
+        ("aten::_cudnn_rnn_backward", {"plot_troubleshooting_cuda_kernels"}),
+        ("hit the vmap fallback", {"plot_operators_under_vmap"}),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):
