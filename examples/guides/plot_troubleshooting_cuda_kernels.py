@@ -228,7 +228,7 @@ raises(RuntimeError, "is invalid for input of size", mask_kw, "mask by keyword")
 # The fix, checked for each call, then the backward as before:
 # ``with torch.backends.cudnn.flags(enabled=False): losses = model(x)[0].sum((1, 2))``. The
 # forward picks the kernel and autograd records its backward then (on CUDA, cuDNN off around the
-# backward alone is expected to raise: checked). ATen's own kernels run, whose backward vmap
+# backward alone is expected to raise; printed). ATen's own kernels run, whose backward vmap
 # batches or loops over. The block turns cuDNN off for all in it, convolutions too: keep it to
 # the recurrent layer (the H100 ran it around both passes, for ``nn.RNN``). TorchJD's documented
 # ``parallel_chunk_size=1`` loops over ordinary backward passes, keeping cuDNN: both timed below.
