@@ -32,7 +32,7 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 on_cuda = device.type == "cuda"
 where = torch.cuda.get_device_name() if on_cuda else "CPU"  # named with the timings
 torch.manual_seed(0)
-print(f"torch {torch.__version__} on {where}, {torch.get_num_threads()} threads")
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 cudnn_rnns = on_cuda and torch.backends.cudnn.is_available()  # RNNs call cuDNN there
 torch.backends.cudnn.allow_tf32 = False  # cuDNN's float32 without TF32; CPU: no-op
 METHOD_COLORS = {"vmap": "#009E73", "vmap fallback": "#DDCC77", "loop": "#D55E00"}
