@@ -307,6 +307,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
         ),
         ("attn_bias: wrong shape", {"plot_troubleshooting_cuda_kernels"}),
         ("aten::_cudnn_rnn_backward", {"plot_troubleshooting_cuda_kernels"}),
+        (
+            "batched == nullptr INTERNAL ASSERT FAILED",
+            {"plot_troubleshooting_escaped_tensors"},
+        ),
+        (
+            "The stateless API can't be used with Jitted modules",
+            {"plot_troubleshooting_refused_modules_and_nan"},
+        ),
         ("hit the vmap fallback", {"plot_operators_under_vmap"}),
     ],
 )
