@@ -2,13 +2,12 @@
 Troubleshooting, part 10: modules functional_call refuses, forward formulas by device, NaN Hessians
 ===================================================================================================
 
-Three problems from users' reports: Hessians of ``torch.linalg.det`` that ``torch.func`` returns
-as NaN, or silently wrong, where eager autograd does not; the ``RuntimeError`` ``functional_call``
+Three problems from users' reports: Hessians of ``torch.linalg.det`` that ``torch.func`` returns as
+NaN, or silently wrong, where eager autograd does not; the ``RuntimeError`` ``functional_call``
 raises for TorchScript and ``nn.DataParallel`` modules; and "Trying to use forward AD with ... that
-does not support it" on one device or build only. Each is raised like the user's and asserted,
-its cause read in torch's source or measured, its fix checked against an independent reference.
-Titles begin with the message or symptom, A to Z. Part 1: :doc:`plot_troubleshooting`; part 8,
-attention on CUDA: :doc:`plot_troubleshooting_cuda_kernels`.
+does not support it" on one device or build only. Each is raised and asserted, its cause read in
+torch's source or measured, its fix checked against an independent reference. Part 1:
+:doc:`plot_troubleshooting`; part 8, attention on CUDA: :doc:`plot_troubleshooting_cuda_kernels`.
 """
 
 import copy
@@ -51,8 +50,9 @@ def agree(label, got, want, bound):  # per tensor: largest gap / largest referen
     worst = 0.0
     for mine, truth in zip(got, want, strict=True):
         assert mine.shape == truth.shape, f"{label}: {mine.shape}, not {truth.shape}"
-        worst = max(worst, ((mine - truth).abs().max() / truth.abs().max()).item())
-        assert worst <= bound, f"{label}: error {worst:.1e} > {bound:.0e}"
+        gap = ((mine - truth).abs().max() / truth.abs().max()).item()
+        assert gap <= bound, f"{label}: error {gap:.1e} > {bound:.0e}"  # NaN fails too
+        worst = max(worst, gap)
     under = f"{bound / worst:.0f}x under it" if worst else "exact"
     print(f"  {label}: error {worst:.1e} (bound {bound:.0e}, {under})")
 
@@ -96,7 +96,8 @@ assert under_func == ["linalg_svd"] and "linalg_svd" not in in_eager
 # %%
 # Which matrices, and which routes? A 3x3 survey against the exact Hessian: det is a cubic
 # polynomial in the entries, d²det/dA_ij dA_kl = Σ ε_ikm ε_jln A_mn (ε: the Levi-Civita symbol),
-# with no inverse, so singular matrices too. "wrong": finite, off by over 1e-8 (relative).
+# with no inverse, so singular matrices too. "wrong": finite, off by over 1e-8 (relative to the
+# largest exact entry where it exceeds 1, else absolute).
 levi = torch.zeros(3, 3, 3, **d64)
 for i, j, k in itertools.permutations(range(3)):
     levi[i, j, k] = (j - i) * (k - i) * (k - j) / 2  # the permutation's sign
@@ -137,10 +138,11 @@ assert table == [fine, tie, tie, tie, fine, low, "NaN NaN right NaN"], table
 # ``torch.func`` and the right Hessian in eager autograd; rank n-2 and lower (two or more zero
 # singular values; eager takes the SVD there too) give NaN in all but ``jacfwd(jacfwd(det))``,
 # which is wrong at every matrix here but zero, with no NaN to warn: det's forward formula solves
-# with the LU factors of the first pass, not differentiated again (pytorch#192540; "we never
-# differentiate over forward AD", says ``linalg_det_jvp``). A rotation computed in floating point
-# has ties only to rounding: ``hessian`` was NaN or wrong at eight from QR (pytorch#192521;
-# their exact Hessians' entries are at most 1 in size).
+# with the LU factors of the first pass, not differentiated again (pytorch#192540, on det, slogdet
+# and solve; "we never differentiate over forward AD", says ``linalg_det_jvp``; PR #192667 of
+# August 2026 closed it, and this run's torch still gives the table). A rotation computed in
+# floating point has ties only to rounding: ``hessian`` was NaN or wrong at eight from QR
+# (pytorch#192521; exact entries at most 1).
 rotations = torch.linalg.qr(torch.randn(8, 3, 3, **d64))[0]
 errors = [(hessian(det)(Q) - exact_3x3(Q)).abs().max().item() for Q in rotations]
 print(f"hessian at 8 rotations from QR, largest errors: {[f'{e:.0e}' for e in errors]}")
@@ -168,11 +170,12 @@ swap = torch.tensor([[0.0, 1.0], [-1.0, 0.0]], **d64)  # ε with two indices
 fixed = hessian(lambda x: det_small(x @ a_report))(x_report)
 by_levi = torch.einsum("ik,jl->ijkl", swap, swap)
 agree("polynomial det, the report's", [fixed], [by_levi], 0)
-# For larger invertible matrices: ``jacrev`` of the known gradient, det(A) A^-T, so that det's
-# SVD is not differentiated. The reference, written out: d²det/dA_ij dA_kl = det(A) (B_ji B_lk -
-# B_jk B_li), B = A⁻¹; at the identity, a 4x4 rotation in two planes and a random 4x4. Batch
-# it with ``jacrev``: ``jacfwd(det)`` gave NaN under ``vmap`` on the CPU, none one at a time.
-gradient_of_det = lambda A: det(A)[..., None, None] * torch.linalg.inv(A).mT  # noqa: E731
+# For larger invertible matrices: ``jacrev`` of the known gradient, det(A) A^-T, so that det's SVD
+# is not differentiated. The reference, written out: d²det/dA_ij dA_kl = det(A) (B_ji B_lk - B_jk
+# B_li), B = A⁻¹; at the identity, a 4x4 rotation in two planes and a random 4x4. (One matrix at a
+# time, eager ``torch.autograd.functional.hessian`` is right at ties too, but has no ``vmap``.)
+inverse_t = lambda A: torch.linalg.inv(A).mT  # noqa: E731 (the gradient of log |det|)
+gradient_of_det = lambda A: det(A)[..., None, None] * inverse_t(A)  # noqa: E731
 plane = torch.tensor([[0.6, -0.8], [0.8, 0.6]], **d64)
 q1, q2 = torch.linalg.qr(torch.randn(2, 4, 4, **d64))[0]  # random rotations
 mixed = q1 @ torch.diag(torch.tensor([1.0, 1.5, 2.0, 3.0], **d64)) @ q2  # condition 3
@@ -182,10 +185,33 @@ by_formula = eins("nji,nlk->nijkl", B, B) - eins("njk,nli->nijkl", B, B)
 by_formula = det(fours)[:, None, None, None, None] * by_formula
 by_reverse = vmap(jacrev(gradient_of_det))(fours)
 agree("vmap(jacrev) of det(A) A^-T", [by_reverse], [by_formula], 1e-14)
-nan_rows, alone = vmap(jacfwd(det))(fours).isnan(), [jacfwd(det)(A) for A in fours]
-print(f"  vmap(jacfwd(det)): NaN in {nan_rows.flatten(1).any(1).tolist()}")
-assert nan_rows.any() or device.type != "cpu", "vmap(jacfwd(det)): no NaN now"
-assert not torch.stack(alone).isnan().any()
+# Not ``jacfwd`` under ``vmap``: in torch 2.13 on the CPU, ``vmap(jacfwd(det))`` and ``slogdet``'s
+# are wrong after the first matrix (NaN at the three above, silently at random ones); one at a
+# time they are right. Probably ``torch.linalg.lu_solve``, which their forward formulas call: with
+# LU factors batched (3, 1) and right-hand sides (5,) it is wrong with no transform (no PyTorch
+# issue found). ``jacfwd(jacfwd(slogdet))`` is wrong as det's is; ``hessian``, -B_jk B_li, is
+# right.
+logdet = lambda A: torch.linalg.slogdet(A).logabsdet  # noqa: E731
+randoms = torch.randn(3, 4, 4, **d64)
+routes_4x4 = [("det", det, gradient_of_det), ("slogdet", logdet, inverse_t)]
+for (name, f, exact), batch in itertools.product(routes_4x4, [fours, randoms]):
+    want, alone = exact(batch), torch.stack([jacfwd(f)(A) for A in batch])
+    agree(f"jacfwd({name}), one matrix at a time", [alone], [want], 1e-14)
+    batched = vmap(jacfwd(f))(batch)
+    gaps = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(batched, want)]
+    print(f"  vmap(jacfwd({name})): errors {[f'{g:.1g}' for g in gaps]}")
+    assert device.type != "cpu" or not any(g <= 1e-8 for g in gaps[1:])  # NaN too
+(LU, pivots), rhs = torch.linalg.lu_factor(randoms), torch.randn(5, 4, 4, **d64)
+broadcast = torch.linalg.lu_solve(LU[:, None], pivots[:, None], rhs)  # a (3, 5) batch
+solved = torch.linalg.solve(randoms[:, None], rhs)
+lu_gaps = (broadcast - solved).flatten(1).abs().amax(1)
+print(f"  lu_solve, (3, 1) against (5,): errors per LU {[f'{g:.2g}' for g in lu_gaps]}")
+assert device.type != "cpu" or (lu_gaps[0] < 1e-12 and lu_gaps[1:].min() > 1e-3)
+log_exact = -eins("jk,li->ijkl", B[2], B[2])  # at the random 4x4
+agree("hessian(slogdet)", [hessian(logdet)(mixed)], [log_exact], 1e-14)
+twice_forward = verdict(jacfwd(jacfwd(logdet))(mixed), log_exact)
+print(f"  jacfwd(jacfwd(slogdet)): {twice_forward}")
+assert twice_forward == "wrong"
 
 # %%
 # The stateless API can't be used with Jitted modules
@@ -253,9 +279,10 @@ call = partial(functional_call, parallel, renamed, xs)
 refused(RuntimeError, said, call, f"DataParallel, device_ids {parallel.device_ids}")
 # The fix: transform ``parallel.module``. For several GPUs, split the batch yourself: a shard
 # and a copy of the weights per device, ``vmap(grad)`` on each, the results gathered on the
-# first. CUDA launches kernels without waiting, so the devices' work can overlap (not measured:
-# no GPU here). With fewer than two GPUs the devices are this one twice, so that the split and
-# the gathering run. Reference: plain autograd, sample by sample.
+# first. CUDA launches kernels without waiting, so the devices' work may overlap (not measured;
+# one process per GPU, with ``torch.distributed``, is the usual route). With fewer than two GPUs
+# the devices are this one twice, so that the split and the gathering run. Reference: plain
+# autograd, sample by sample.
 gpus = [torch.device(f"cuda:{n}") for n in range(torch.cuda.device_count())]
 shard_devices = gpus if len(gpus) > 1 else [device, device]
 
@@ -283,8 +310,8 @@ agree(f"parallel.module, shards on {shard_devices}", spread, looped(head), 2e-15
 # :doc:`plot_troubleshooting_libraries`). Forward formulas belong to operators, and some
 # functions pick a device-specific kernel, an operator of its own: attention that ran on a K40
 # failed on newer GPUs (pytorch#117629, the memory-efficient kernel), ``linear`` on Apple's MPS
-# (pytorch#137720), ``hessian`` of ``nn.Softmax`` in torch 1.13's Python 3.11 wheel
-# (pytorch#91100). Here ``F.scaled_dot_product_attention`` with 4-D inputs picks
+# (pytorch#137720). (One build lacked formulas: ``hessian`` of ``nn.Softmax`` in torch 1.13's
+# Python 3.11 wheel, pytorch#91100.) Here ``F.scaled_dot_product_attention`` with 4-D inputs picks
 # ``_scaled_dot_product_flash_attention_for_cpu`` on the CPU (pytorch#128971). A checker: the
 # forward-mode transforms on each device present, in the user's dtype, the operator that stops
 # each named, and each ``jvp`` that runs checked against ``jacrev``.
@@ -306,8 +333,8 @@ FORWARD_MODE = {
 PRESENT = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
 
 
-def survey(model, x, dtype):  # {(device, transform): "runs", or the operator named}
-    found = {}
+def survey(model, x, dtype, label):  # {(device, transform): "runs", or the op named}
+    found = print(label) or {}
     for where in ["cpu"] + [name for name, here in PRESENT.items() if here]:
         twin, point = copy.deepcopy(model).to(where, dtype), x.to(where, dtype)
         tangent = torch.randn_like(point)
@@ -330,21 +357,19 @@ def survey(model, x, dtype):  # {(device, transform): "runs", or the operator na
 
 model = TwoHeads().double()  # on the CPU, whatever the page's device
 tokens = torch.randn(5, 8, dtype=torch.float64)
-print("as written, in float32:")
-written = survey(model, tokens, torch.float32)
+written = survey(model, tokens, torch.float32, "as written, in float32:")
 fused = "_scaled_dot_product_flash_attention_for_cpu"
 assert all(written["cpu", how] == fused for how in FORWARD_MODE), written
 math_attention = partial(sdpa_kernel, SDPBackend.MATH)  # matmul and softmax
-print("inside sdpa_kernel(SDPBackend.MATH), in float32:")
 with math_attention():
-    assert set(survey(model, tokens, torch.float32).values()) == {"runs"}
+    inside = survey(model, tokens, torch.float32, "with SDPBackend.MATH, in float32:")
+    assert set(inside.values()) == {"runs"}
 message = f"Trying to use forward AD with {fused} that does not support it"
 refused(NotImplementedError, message, partial(jvp, model, (tokens,), (tokens,)), "jvp")
-# Each kernel that attention can pick is an operator, and autograd checks for its forward
-# formula before it looks for the device's kernel: each can be asked here with plain forward
-# AD, the CUDA and MPS ones too (each raised; none ran). The list comes from the dispatcher
-# (``dir(torch.ops.aten)`` lists only the operators used so far); ``..._attention_math`` is left
-# out: it is the MATH route above, made of primitives.
+# Each kernel that attention can pick is an operator, and autograd checks for its forward formula
+# before it looks for the device's kernel: plain forward AD asks each here, the CUDA and MPS ones
+# too (each raised; none ran). Listed from the dispatcher (``dir(torch.ops.aten)`` lists only
+# operators used so far), less ``..._attention_math``: the MATH route above, made of primitives.
 every = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()}
 kernels = sorted(n for n in every if n.startswith("_scaled_dot_product"))
 kernels.remove("_scaled_dot_product_attention_math")
@@ -354,26 +379,6 @@ with fwAD.dual_level():
         bias = (None, False) if re.search("efficient|cudnn", name) else ()  # lse too
         call = partial(getattr(torch.ops.aten, name), dual, dual, dual, *bias)
         refused(NotImplementedError, f"{name} that does not support", call, name[20:])
-# ``linear`` has no kernel of its own in this CPU wheel: autograd runs its decomposition
-# (``MmBackward0``), with forward formulas. A device kernel for linear (MPS had one in
-# pytorch#137720) makes autograd run linear's own entry, which has none. A CPU kernel registered
-# for a moment shows it: plain forward AD raises; ``torch.func.jvp`` runs, as functorch swaps
-# linear for its decomposition under its transforms (``PyTorchOperatorHacks.cpp``).
-w, v = torch.randn(2, 2, 4, dtype=torch.float64)
-x_cpu = xs.cpu()
-recorded = lambda: F.linear(x_cpu, w.clone().requires_grad_()).grad_fn.name()  # noqa: E731
-scratch = torch.library.Library("aten", "IMPL")
-try:
-    scratch.impl("linear", lambda a, b, c=None: a @ b.mT, "CPU")  # called without bias
-    with fwAD.dual_level():
-        along = partial(F.linear, x_cpu, fwAD.make_dual(w, v))
-        label = f"plain forward AD, autograd records {recorded()}"
-        refused(NotImplementedError, "forward AD with linear that", along, label)
-    tangent_out = jvp(partial(F.linear, x_cpu), (w,), (v,))[1]
-    agree("torch.func.jvp, the kernel registered", [tangent_out], [x_cpu @ v.T], 1e-15)
-finally:
-    scratch._destroy()  # torch's own table again, for what runs after this page
-assert recorded() == "MmBackward0", recorded()
 
 # %%
 # Workarounds when forward mode fails, checked in float64 against reverse mode through the fused
@@ -433,13 +438,13 @@ agree("autograd.Function, jacfwd", [jacfwd(with_tangent)(tokens)], [rows], 1e-15
 # %%
 # What to remember
 # ----------------
-# * ``torch.func`` second derivatives of ``det`` are NaN at tied singular values (the identity,
-#   rotations), and wrong near them or through ``jacfwd(jacfwd)``, silently: for 2x2 and 3x3
-#   write det as its polynomial; for larger invertible ones, ``jacrev`` of det(A) A^-T.
+# * ``torch.func`` second derivatives of ``det`` are NaN at tied singular values (identity,
+#   rotations), silently wrong near them and through ``jacfwd(jacfwd)`` (``slogdet`` too), as is
+#   ``vmap(jacfwd(det))`` on 2.13's CPU. Use det's polynomial (2x2, 3x3) or jacrev of det(A) A^-T.
 # * ``functional_call`` refuses scripted, traced and ``DataParallel`` modules by type: transform
 #   the eager module (``.module``; the eager class with a loaded ``state_dict``); split batches
 #   over GPUs yourself.
 # * Forward formulas belong to operators, and a function may pick another operator per device:
-#   run the checker on each device; ask any kernel's operator with plain forward AD, anywhere.
+#   run the checker on each device; plain forward AD tells whether a kernel has a formula.
 # * When forward mode fails: ``jacrev`` for Jacobians; for Hessians a path whose backward has a
 #   derivative (``SDPBackend.MATH``, primitives); for ``jvp``, an ``autograd.Function``.
