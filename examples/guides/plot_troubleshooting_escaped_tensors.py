@@ -5,9 +5,8 @@ Troubleshooting, part 9: tensors that escape a transform, internal asserts, olde
 A tensor made inside a transform and kept (a cache on ``self``, a list, a hook's capture) reaches
 the next call as a functorch wrapper: an internal assert that asks for a bug report, or a silent
 run on the first call's values. Here: both asserts torch 2.13 gives, the silent cases, finding the
-kept tensor, the fixes; an ensemble whose kernel has no ``vmap`` rule; old functorch messages, and
-your line in a traceback. "Either your tensor may have escaped", from a hook or a checkpoint:
-:doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`.
+kept tensor, the fixes; a kernel with no ``vmap`` rule; old functorch messages; your traceback line.
+"Either your tensor may have escaped": :doc:`plot_troubleshooting_arguments` (a checkpoint).
 """
 
 import copy
@@ -190,7 +189,7 @@ assert leaks(shared) == {}
 # transformer; zhengyuf/PointAvatar#24). Here the frequencies are learned, and the loss's 2 x 2
 # Hessian in them comes first. The table kept is two dead wrappers (``leaks``): the next call
 # unwraps the outer one, and ``grad`` meets the inner one where it expects a live level at most
-# its own (``materializeGradWrappers``). Without a transform it runs.
+# its own (``materializeGradWrappers``). Without a transform it runs, on the stale table.
 tuned = Rotary(learned=True)
 tuned_weights = {k: v.detach() for k, v in tuned.named_parameters()}
 freq_0 = tuned_weights["freq"]
@@ -250,8 +249,8 @@ with torch.no_grad():
 # table. Part 2's fix, ``generate_vmap_rule=True``, hands the kernel batched tensors that NumPy
 # cannot read (asserted; pytorch#122706). Two fixes, checked against ``torch.lerp``: a loop over
 # the members, and a ``vmap`` staticmethod that loops (:doc:`plot_extending_torch_func`; or
-# ``torch.library.custom_op`` with ``register_vmap``). Best, where torch ops can do the lookup,
-# as the reference's ``torch.lerp`` does: no ``Function``, and ``vmap`` batches it.
+# ``torch.library.custom_op`` with ``register_vmap``). Or, where torch ops can do the lookup (as
+# the reference's ``torch.lerp`` does), no ``Function`` at all.
 def lookup_kernel(x, table):  # the "extension": linear interpolation, NumPy, on the CPU
     at = x.detach().cpu().numpy() * (len(table) - 1)
     cell = np.minimum(at.astype(np.int64), len(table) - 2)
@@ -364,11 +363,12 @@ assert found == {"tuned.table": "a dead autograd wrapper",
 # --------------------------------------------------------------------------------
 # A message pasted from functorch or a torch 2.0 nightly may name a bug since fixed, or one in the
 # code: run the thread's code (small versions here) on your torch against a loop or a closed form.
-# Four run and match now: ``prod``'s backward once counted zeros with ``.item()`` (pytorch PR
-# #81969 sends vmap's tensors down the zero-safe path; one zero entry here), and the slice, the
-# masked write and ``torch.take`` run. Two are the code's own: ``torch.tensor`` copies values out
-# of the transform, a zero Jacobian (its warning is the clue; ``torch.stack`` keeps the path); and
-# ``vmap`` gives ``F.normalize`` one row, without the ``dim=1`` it defaults to (``dim=-1`` works).
+# Four run and match now: ``prod``'s backward counts zeros with ``.item()``, which a batched input
+# cannot give (PR #81969 sends vmap's tensors down the zero-safe path; one zero here), and the
+# slice, the masked write and ``torch.take`` run. Two are the code's own: ``torch.tensor`` copies
+# values out of the transform, a zero Jacobian (its warning is the clue; ``torch.stack`` keeps the
+# path); and ``vmap`` gives ``F.normalize`` one row, without the ``dim=1`` it defaults to
+# (``dim=-1`` works).
 def unit_rows(t):  # as in pytorch#99187: for a batch of rows; vmap gives it one row
     return F.normalize(t)
 
@@ -388,8 +388,8 @@ cells, rows_2d = torch.randn(3, 4, **F64), torch.randn(5, 2, **F64)
 unit, size = F.normalize(rows_2d, dim=-1), rows_2d.norm(dim=-1)[:, None, None]
 OLD = [  # thread, its message's first words, what 2.13 does, as written, the fix, the reference
     ("functorch#1066", "vmap: It looks like you're either (1) calling .item()", "runs",
-     lambda: jacrev(lambda w: w.prod(-1))(boxes), None,
-     torch.eye(4, **F64)[:, :, None] * torch.stack(others, 1)),  # d prod / d each
+     lambda: vmap(jacrev(lambda w: w.prod()))(boxes), None,
+     torch.stack(others, 1)),  # d prod / d each entry, row by row
     ("functorch#1024", "vmap: It looks like you're calling .item() on a Tensor", "runs",
      lambda: vmap(jacrev(lambda q: q[0:3]))(quats), None,
      torch.eye(3, 11, **F64).expand(4, -1, -1)),
@@ -427,7 +427,7 @@ for thread, then, verdict, as_written, fix, want in OLD:
 # %%
 # Which line is yours? pytorch#99187's ``IndexError`` is raised in ``torch/functional.py`` (the
 # ``norm`` that ``F.normalize`` calls), under the frames of ``vmap`` and ``jacrev``. Frames
-# outside torch's folder and your other installed packages are yours; the last called torch.
+# outside torch's folder are yours here (in a larger program, skip other libraries' folders too).
 torch_dir = Path(torch.__file__).parent
 frames = traceback.extract_tb(pasted.__traceback__)
 yours = [f for f in frames if not Path(f.filename).is_relative_to(torch_dir)]
