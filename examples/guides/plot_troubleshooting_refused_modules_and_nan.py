@@ -61,14 +61,15 @@ def agree(label, got, want, bound):  # per tensor: largest gap / largest referen
 # hessian returns NaN through det at the identity or a rotation
 # -------------------------------------------------------------
 # pytorch#149694: ``torch.func.hessian`` of ``det(x @ A)`` returned NaN in every entry while
-# ``torch.autograd.functional.hessian`` ("eager" below) was right. There ``x @ A`` is the identity:
-# invertible, its singular values all equal. Why, as read in ``linalg_det_backward``
+# ``torch.autograd.functional.hessian`` ("eager" below) was right. There ``x @ A`` is the
+# identity: invertible, its singular values all equal. Why, as read in ``linalg_det_backward``
 # (``torch/csrc/autograd/FunctionsManual.cpp``): when a second derivative may follow, det's
-# backward picks, matrix by matrix, a linear solve, or an SVD where ``|det| < 100 eps``. That
-# pick indexes with a mask, which the transforms' wrapped tensors ("subclass-like" in torch's
-# ``TensorSubclassLikeUtils.h``) cannot, so under ``torch.func`` every matrix takes the SVD (the
-# profiler's record, below). ``hessian`` differentiates it, and the SVD's derivative is finite
-# only without repeated singular values (``torch.linalg.svd``'s documented warning).
+# backward picks, matrix by matrix, a linear solve, or an SVD where ``|det| < 100 eps``. That pick
+# indexes with a mask, which the transforms' wrapped tensors ("subclass-like" in torch's
+# ``TensorSubclassLikeUtils.h``) cannot, so under ``torch.func`` every matrix takes the SVD, even
+# for ``grad(det)`` (the profiler's record, below). ``hessian`` differentiates it, and the SVD's
+# derivative is finite only without repeated singular values (``torch.linalg.svd``'s documented
+# warning).
 det = torch.linalg.det
 x_report = torch.tensor([[1.0, 0.0], [1.0, 1.0]], **d64)
 a_report = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], **d64)
@@ -185,28 +186,10 @@ by_formula = eins("nji,nlk->nijkl", B, B) - eins("njk,nli->nijkl", B, B)
 by_formula = det(fours)[:, None, None, None, None] * by_formula
 by_reverse = vmap(jacrev(gradient_of_det))(fours)
 agree("vmap(jacrev) of det(A) A^-T", [by_reverse], [by_formula], 1e-14)
-# Not ``jacfwd`` under ``vmap``: in torch 2.13 on the CPU, ``vmap(jacfwd(det))`` and ``slogdet``'s
-# are wrong after the first matrix (NaN at the three above, silently at random ones); one at a
-# time they are right. Probably ``torch.linalg.lu_solve``, which their forward formulas call: with
-# LU factors batched (3, 1) and right-hand sides (5,) it is wrong with no transform (no PyTorch
-# issue found). ``jacfwd(jacfwd(slogdet))`` is wrong as det's is; ``hessian``, -B_jk B_li, is
-# right.
+# ``jacfwd(jacfwd(slogdet))`` is wrong as det's is; ``hessian``, -B_jk B_li, is right. Batched
+# forward mode through det, slogdet or ``linalg.solve``, ``vmap(hessian(f))`` included, is another
+# bug, silently wrong on the CPU in 2.13: :doc:`plot_troubleshooting_batched_linalg`.
 logdet = lambda A: torch.linalg.slogdet(A).logabsdet  # noqa: E731
-randoms = torch.randn(3, 4, 4, **d64)
-routes_4x4 = [("det", det, gradient_of_det), ("slogdet", logdet, inverse_t)]
-for (name, f, exact), batch in itertools.product(routes_4x4, [fours, randoms]):
-    want, alone = exact(batch), torch.stack([jacfwd(f)(A) for A in batch])
-    agree(f"jacfwd({name}), one matrix at a time", [alone], [want], 1e-14)
-    batched = vmap(jacfwd(f))(batch)
-    gaps = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(batched, want)]
-    print(f"  vmap(jacfwd({name})): errors {[f'{g:.1g}' for g in gaps]}")
-    assert device.type != "cpu" or not any(g <= 1e-8 for g in gaps[1:])  # NaN too
-(LU, pivots), rhs = torch.linalg.lu_factor(randoms), torch.randn(5, 4, 4, **d64)
-broadcast = torch.linalg.lu_solve(LU[:, None], pivots[:, None], rhs)  # a (3, 5) batch
-solved = torch.linalg.solve(randoms[:, None], rhs)
-lu_gaps = (broadcast - solved).flatten(1).abs().amax(1)
-print(f"  lu_solve, (3, 1) against (5,): errors per LU {[f'{g:.2g}' for g in lu_gaps]}")
-assert device.type != "cpu" or (lu_gaps[0] < 1e-12 and lu_gaps[1:].min() > 1e-3)
 log_exact = -eins("jk,li->ijkl", B[2], B[2])  # at the random 4x4
 agree("hessian(slogdet)", [hessian(logdet)(mixed)], [log_exact], 1e-14)
 twice_forward = verdict(jacfwd(jacfwd(logdet))(mixed), log_exact)
@@ -232,7 +215,7 @@ in_trace = partial(torch.jit.trace, lambda x: functional_call(head, weights, x),
 refused(RuntimeError, jitted, in_trace, "inside torch.jit.trace")
 # The fix: the eager module, with the scripted one's weights. With the class at hand, build it
 # and ``load_state_dict(scripted.state_dict())``. With only a saved file, ``torch.jit.load`` it:
-# its ``.code`` prints each forward, each submodule's ``original_name`` names its class, and
+# its ``.code`` prints the top forward, each submodule's ``original_name`` names its class, and
 # ``state_dict()`` gives names and shapes. For torch.nn layers that sufficed (the copy's outputs
 # equal the file's, checked); a class of your own would be rewritten from ``.code`` (not tried).
 with tempfile.TemporaryDirectory() as saved_in:
@@ -439,12 +422,12 @@ agree("autograd.Function, jacfwd", [jacfwd(with_tangent)(tokens)], [rows], 1e-15
 # What to remember
 # ----------------
 # * ``torch.func`` second derivatives of ``det`` are NaN at tied singular values (identity,
-#   rotations), silently wrong near them and through ``jacfwd(jacfwd)`` (``slogdet`` too), as is
-#   ``vmap(jacfwd(det))`` on 2.13's CPU. Use det's polynomial (2x2, 3x3) or jacrev of det(A) A^-T.
+#   rotations), silently wrong near them and through ``jacfwd(jacfwd)`` (``slogdet`` too). Use
+#   det's polynomial (2x2, 3x3) or ``jacrev`` of det(A) A^-T; batched, read part 11 first.
 # * ``functional_call`` refuses scripted, traced and ``DataParallel`` modules by type: transform
 #   the eager module (``.module``; the eager class with a loaded ``state_dict``); split batches
 #   over GPUs yourself.
 # * Forward formulas belong to operators, and a function may pick another operator per device:
-#   run the checker on each device; plain forward AD tells whether a kernel has a formula.
+#   run the checker on each device; plain forward AD shows which kernels lack a formula.
 # * When forward mode fails: ``jacrev`` for Jacobians; for Hessians a path whose backward has a
 #   derivative (``SDPBackend.MATH``, primitives); for ``jvp``, an ``autograd.Function``.
