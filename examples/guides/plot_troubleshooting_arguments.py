@@ -327,9 +327,9 @@ check("argnums=1, the table", table_grad, 2 * table * counts[:, None], 1e-14)
 # ``torch.autograd.graph.save_on_cpu``, inside the function or around it) are active while
 # ``grad``, ``vjp`` or ``jacrev`` runs, ``vmap(grad(f))`` included: there, 2.13 cannot run
 # ``torch.utils.checkpoint``. Loop over samples, drop it, or rerun the block in your own
-# Function's backward (:doc:`plot_extending_torch_func`; not checked here). For ``jacrev``'s
-# memory, use ``chunk_size=`` (:doc:`../models_as_functions/plot_memory_control`). Both hooks run
-# under ``jvp``, ``jacfwd``, a forward-only ``vmap`` and ``autograd.grad``. Reference: closed forms.
+# Function's backward (:doc:`plot_extending_torch_func`; unchecked). For ``jacrev``'s memory, use
+# ``chunk_size=`` (:doc:`../models_as_functions/plot_memory_control`). Both run under ``jvp`` (a
+# ``backward`` through it fails: part 12), ``jacfwd``, forward-only ``vmap``, ``autograd.grad``.
 sample_loss = lambda W, x: checkpoint(block, x, W, use_reentrant=False).square().sum()  # noqa
 with fails_with(RuntimeError, "don't yet support saved tensor hooks"):
     vmap(grad(sample_loss), in_dims=(None, 0))(W, inputs)
