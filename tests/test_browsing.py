@@ -315,6 +315,12 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "The stateless API can't be used with Jitted modules",
             {"plot_troubleshooting_refused_modules_and_nan"},
         ),
+        ("lu_solve reads an unsqueezed LU", {"plot_troubleshooting_batched_linalg"}),
+        (
+            "A different number of tensors was saved during the original forward",
+            {"plot_troubleshooting_training_through_jvp"},
+        ),
+        ("inference_mode return zeros", {"plot_troubleshooting_fixed_reports"}),
         ("hit the vmap fallback", {"plot_operators_under_vmap"}),
     ],
 )
