@@ -15,6 +15,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -89,13 +90,11 @@ def leaks(where):
 # ----------------------------------------------------------------------------
 # A ``RuntimeError`` from a tensor that ``vmap`` batched and a module kept, used under ``grad``.
 # The module turns each pair of features by position x frequency, with a cos/sin table built on
-# the first call (rotary embeddings keep one, rebuilt for longer inputs); the reference, with
-# complex numbers, keeps nothing. An ensemble (:func:`~torch.func.stack_module_state` and
-# ``vmap``, as in PyTorch's tutorial) maps the buffers too: the table kept on the module
-# ``functional_call`` runs is a ``BatchedTensor`` (``leaks`` says so), which one member's
-# gradients meet. With no transform active it raises parts 2 and 3's error; under a new ``vmap``,
-# another batch size fails and the same size runs, wrongly. In torch, ``sanityCheckStack`` finds a
-# wrapper left below the last transform.
+# the first call (as rotary embeddings do); the reference, in complex numbers, keeps nothing. An
+# ensemble (``stack_module_state`` and ``vmap``) maps the buffers too, so the table kept on the
+# module ``functional_call`` runs is a ``BatchedTensor`` (``leaks``), which one member's gradients
+# meet (``sanityCheckStack`` finds a wrapper below the last transform). With no transform it
+# raises parts 2 and 3's error; a new ``vmap`` of another size fails, of the same size runs wrongly.
 class Rotary(nn.Module):
     def __init__(self, width=4, learned=False):
         super().__init__()
@@ -163,10 +162,9 @@ print("  3 samples, frequencies x1, x2, x3: errors", [f"{g:.2g}" for g in gaps])
 assert gaps[0] < 1e-14 and min(gaps[1:]) > 0.1
 
 # %%
-# Two fixes, checked against the loop. First, build the table in eager before any transform: an
-# ordinary tensor, reused by every later call. Second, give ``vmap`` the buffers unmapped
-# (``in_dims`` ``None``; equal in every member, checked), so the table is built from an ordinary
-# tensor. Both hold while the table depends on nothing that a transform maps or differentiates.
+# Two fixes, checked against the loop: build the table in eager before any transform, or give
+# ``vmap`` the buffers unmapped (``in_dims`` ``None``; equal in every member, checked). Both hold
+# while the table depends on nothing that a transform maps or differentiates.
 shared.table = None
 shared(xs[0])  # fix 1: built in eager
 agrees("fix 1, the ensemble", ensemble(weights, buffers, xs[0]), wanted, 1e-14)
@@ -184,12 +182,12 @@ assert leaks(shared) == {}
 # level.has_value() && level <= current_level INTERNAL ASSERT FAILED ... escaped?
 # --------------------------------------------------------------------------------
 # A ``RuntimeError`` from a tensor kept from a call with two autograd levels (``hessian``,
-# ``jacrev(jacrev(...))``, ``grad(grad(...))``), used under ``grad``. Older releases wrote the
-# check as ``wrapper->level().value() <= current_level`` (functorch#1131, ``jacrev`` of a vision
-# transformer; zhengyuf/PointAvatar#24). Here the frequencies are learned, and the loss's 2 x 2
-# Hessian in them comes first. The table kept is two dead wrappers (``leaks``): the next call
-# unwraps the outer one, and ``grad`` meets the inner one where it expects a live level at most
-# its own (``materializeGradWrappers``). Without a transform it runs, on the stale table.
+# ``jacrev(jacrev(...))``), used under ``grad``; older releases wrote the check as
+# ``wrapper->level().value() <= current_level`` (functorch#1131; zhengyuf/PointAvatar#24). Here
+# the frequencies are learned; the loss's 2 x 2 Hessian in them comes first. The table kept is two
+# dead wrappers (``leaks``): the next call unwraps the outer one, and ``grad`` meets the inner one
+# where it expects a live level at most its own (``materializeGradWrappers``). Without a
+# transform it runs, on the stale table.
 tuned = Rotary(learned=True)
 tuned_weights = {k: v.detach() for k, v in tuned.named_parameters()}
 freq_0 = tuned_weights["freq"]
@@ -214,10 +212,9 @@ tuned(xs[0])  # no transform active: runs
 
 
 # %%
-# The fix for a table made from what a transform differentiates: build it in each call and keep
-# nothing, in eager too, where a kept table would miss an optimizer's in-place step and hold a
-# graph that the first ``backward`` frees. Built in eager (fix 1), it is a constant to ``grad``:
-# a zero gradient (asserted under "(No error)"). Checked under transforms and in eager.
+# The fix for a table made from what a transform differentiates: build it in each call, keep
+# nothing (in eager, a kept table misses an optimizer's in-place step and holds a freed graph).
+# Built in eager (fix 1), it is a constant to ``grad``: a zero gradient (asserted below).
 class Fresh(Rotary):  # builds its table in every call, keeps none
     def forward(self, tokens):
         try:
@@ -245,12 +242,11 @@ with torch.no_grad():
 # A ``RuntimeError`` when an ensemble's forward calls a kernel from outside torch through an
 # ``autograd.Function`` with ``setup_context`` but no ``vmap`` rule (kxhit/vMAP#26 asked about
 # instant-NGP's CUDA kernels; tiny-cuda-nn's ``forward(ctx, ...)`` stops earlier, at part 2's
-# setup_context error). NumPy stands in for the kernel: each member interpolates its own feature
-# table. Part 2's fix, ``generate_vmap_rule=True``, hands the kernel batched tensors that NumPy
-# cannot read (asserted; pytorch#122706). Two fixes, checked against ``torch.lerp``: a loop over
-# the members, and a ``vmap`` staticmethod that loops (:doc:`plot_extending_torch_func`; or
-# ``torch.library.custom_op`` with ``register_vmap``). Or, where torch ops can do the lookup (as
-# the reference's ``torch.lerp`` does), no ``Function`` at all.
+# setup_context error). NumPy stands in for the kernel: each member interpolates its own table.
+# Part 2's fix, ``generate_vmap_rule=True``, hands the kernel batched tensors NumPy cannot read
+# (asserted; pytorch#122706). Two fixes, checked against ``torch.lerp``: a loop over the members,
+# and a ``vmap`` staticmethod that loops (:doc:`plot_extending_torch_func`; or ``custom_op`` with
+# ``register_vmap``). Or, where torch ops can do the lookup, as ``torch.lerp``, no ``Function``.
 def lookup_kernel(x, table):  # the "extension": linear interpolation, NumPy, on the CPU
     at = x.detach().cpu().numpy() * (len(table) - 1)
     cell = np.minimum(at.astype(np.int64), len(table) - 2)
@@ -315,12 +311,12 @@ agrees("fix 2, a looping vmap rule", per_member(), by_lerp, 1e-14)
 # %%
 # (No error) the next call runs on the first call's table: stale values, a zero gradient
 # --------------------------------------------------------------------------------------
-# Per-sample gradients of the learned layer, a step, then per-sample gradients again, as a
-# training loop does. The first call keeps a table that is one dead wrapper; the second unwraps it
-# and uses it as a constant: the first step's frequencies, and no path from the new ones. The
-# first call matches the loop; the second does not, and its frequencies' gradient is zero. Plain
-# autograd fails loudly on the same cache (the second backward meets a freed graph). ``Fresh``
-# gets both steps right; a table built in eager (fix 1) gives a zero gradient again.
+# Per-sample gradients, a step, per-sample gradients again, as a training loop does. The first
+# call keeps a table that is one dead wrapper; the second uses it as a constant: the old
+# frequencies, no path from the new ones, a zero gradient in them, wrong values. Plain autograd
+# fails loudly on the same cache (a freed graph). ``Fresh`` gets both steps right; a table built
+# in eager (fix 1) gives a zero gradient again. The figure: each sample's largest gap in its
+# ``mix.weight`` gradient at the second call, over the loop's largest entry (exact at 1e-18).
 tuned = Rotary(learned=True)
 step_1 = per_sample(tuned)(tuned_weights, xs, ys)
 agrees("first call", step_1, truth_1, 1e-14)
@@ -337,19 +333,26 @@ plain(xs[0]).sum().backward()
 must_fail(RuntimeError, "backward through the graph a second time",
           lambda: plain(xs[1]).sum().backward())  # fmt: skip
 agrees("Fresh, first call", per_sample(fresh)(tuned_weights, xs, ys), truth_1, 1e-14)
-agrees("Fresh, second call", per_sample(fresh)(stepped, xs, ys), truth_2, 1e-14)
+fresh_2 = per_sample(fresh)(stepped, xs, ys)
+agrees("Fresh, second call", fresh_2, truth_2, 1e-14)
 eager_table = Rotary(learned=True)
 eager_table(xs[0])
 assert not per_sample(eager_table)(stepped, xs, ys)["freq"].any()
+fig, ax = plt.subplots(figsize=(6.5, 3.4), layout="constrained")
+drawn = {"kept table": (step_2, "s--"), "Fresh": (fresh_2, "o-")}
+for label, (second_call, look) in drawn.items():
+    gaps = second_call["mix.weight"] - truth_2["mix.weight"]
+    per_row = gaps.flatten(1).abs().amax(1) / truth_2["mix.weight"].abs().max()
+    ax.plot(per_row.clamp_min(1e-18), look, color="black", label=label)
+ax.set(yscale="log", xlabel="sample", title=f"Second call, torch {torch.__version__}")
+ax.legend()
+plt.show()
 
 # %%
-# How to find the kept tensor: ``leaks``, defined at the top, walks a module's attributes and
-# submodules, or the tensors and containers of a dict such as ``globals()`` (pass modules apart),
-# peeling each functorch wrapper with ``is_functorch_wrapped_tensor``, ``is_batchedtensor``,
-# ``is_dead_tensor_wrapper``, ``maybe_get_level`` and ``get_unwrapped`` (``torch._C._functorch``,
-# private, in 2.13). Run it after a transform returns. Here: the table on ``tuned``, and a list
-# filled inside ``vmap``; return such values instead (``has_aux=True`` under ``grad``), as
-# torch.func's "UX Limitations" page advises. JAX's counterpart is ``jax.checking_leaks()``.
+# How to find the kept tensor: run ``leaks`` (top of the page; private ``torch._C._functorch``
+# functions, 2.13) on a module or ``globals()`` after a transform returns. Here: the table on
+# ``tuned``, a list filled in ``vmap``. Return such values instead (``has_aux=True`` under
+# ``grad``), as torch.func's "UX Limitations" page advises (JAX: ``jax.checking_leaks()``).
 seen_inside = []
 vmap(lambda x: seen_inside.append(x.mean()) or x.sin())(xs[0])
 found = {**{f"tuned.{k}": v for k, v in leaks(tuned).items()}, **leaks(globals())}
@@ -361,14 +364,12 @@ assert found == {"tuned.table": "a dead autograd wrapper",
 # %%
 # (Older releases) functorch and early torch.func messages: does the code run now?
 # --------------------------------------------------------------------------------
-# A message pasted from functorch or a torch 2.0 nightly may name a bug since fixed, or one in the
-# code: run the thread's code (small versions here) on your torch against a loop or a closed form.
-# Four run and match now: ``prod``'s backward counts zeros with ``.item()``, which a batched input
-# cannot give (PR #81969 sends vmap's tensors down the zero-safe path; one zero here), and the
-# slice, the masked write and ``torch.take`` run. Two are the code's own: ``torch.tensor`` copies
-# values out of the transform, a zero Jacobian (its warning is the clue; ``torch.stack`` keeps the
-# path); and ``vmap`` gives ``F.normalize`` one row, without the ``dim=1`` it defaults to
-# (``dim=-1`` works).
+# A message from functorch or a torch 2.0 nightly may name a bug since fixed, or one in the code:
+# run the thread's code (small here) on your torch against a loop or a closed form. Four match
+# now: ``prod``'s backward counts zeros with ``.item()``, which a batched input cannot give (PR
+# #81969 sends vmap's tensors down the zero-safe path; one zero here), the slice, the masked write
+# and ``torch.take``. Two are the code's own: ``torch.tensor`` copies values out of the transform
+# (``torch.stack`` keeps the path); ``vmap`` gives ``F.normalize`` one row, without its ``dim=1``.
 def unit_rows(t):  # as in pytorch#99187: for a batch of rows; vmap gives it one row
     return F.normalize(t)
 
@@ -425,9 +426,8 @@ for thread, then, verdict, as_written, fix, want in OLD:
         agrees("the fix", fix(), want, 1e-14)
 
 # %%
-# Which line is yours? pytorch#99187's ``IndexError`` is raised in ``torch/functional.py`` (the
-# ``norm`` that ``F.normalize`` calls), under the frames of ``vmap`` and ``jacrev``. Frames
-# outside torch's folder are yours here (in a larger program, skip other libraries' folders too).
+# Which line is yours? pytorch#99187's ``IndexError`` is raised in ``torch/functional.py``'s
+# ``norm``, under ``vmap``'s and ``jacrev``'s frames. Frames outside torch's folder are yours here.
 torch_dir = Path(torch.__file__).parent
 frames = traceback.extract_tb(pasted.__traceback__)
 yours = [f for f in frames if not Path(f.filename).is_relative_to(torch_dir)]

@@ -19,6 +19,7 @@ import textwrap
 import warnings
 from functools import partial
 
+import matplotlib.pyplot as plt
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 d64 = {"dtype": torch.float64, "device": device}
 quiet = partial(warnings.catch_warnings, action="ignore")  # for calls meant to warn
+fixes_checked = []  # (label, error, bound): the figure at the end
 
 
 def refused(kind, words, call, label):  # exactly kind, its message holding words
@@ -55,6 +57,7 @@ def agree(label, got, want, bound):  # per tensor: largest gap / largest referen
         worst = max(worst, gap)
     under = f"{bound / worst:.0f}x under it" if worst else "exact"
     print(f"  {label}: error {worst:.1e} (bound {bound:.0e}, {under})")
+    fixes_checked.append((label, worst, bound))
 
 
 # %%
@@ -417,6 +420,18 @@ with_tangent.attend = FusedWithTangent.apply
 by_function = jvp(with_tangent, (tokens,), (tangent,))[1]
 agree("autograd.Function, jvp", [by_function], [jvp_ref], 2e-15)
 agree("autograd.Function, jacfwd", [jacfwd(with_tangent)(tokens)], [rows], 1e-15)
+
+# %%
+# Every fix against its reference
+# -------------------------------
+# Each fix's error (dot) and its bound (line); an exact result is drawn at 1e-19.
+names, worst_errors, error_bounds = zip(*fixes_checked)
+fig, ax = plt.subplots(figsize=(9, 5.5), layout="constrained")
+ax.plot([max(e, 1e-19) for e in worst_errors], names, "o", color="black")
+ax.scatter(error_bounds, names, marker="|", s=300, color="0.4")
+ax.set(xscale="log", xlabel="gap / largest reference entry", ylim=(len(names), -1))
+ax.set_title(f"{len(names)} fixes on {device.type}: error (dot), bound (tick)")
+plt.show()
 
 # %%
 # What to remember

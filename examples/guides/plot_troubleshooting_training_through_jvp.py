@@ -18,6 +18,7 @@ import sys
 import textwrap
 from functools import partial
 
+import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -141,10 +142,23 @@ got, want = tangent_loss_grad(library, h, dh, gains)
 off = ((got - want).norm() / want.norm()).item()
 print(f"  F.layer_norm: the gradient is off by {off:.2f} of its norm")
 assert off > 0.1  # wrong: when a torch release fixes it, this line fails
-near("layer norm by hand", *tangent_loss_grad(by_hand, h.detach(), dh, gains), 1e-8)
+hand_got, hand_want = tangent_loss_grad(by_hand, h.detach(), dh, gains)
+near("layer norm by hand", hand_got, hand_want, 1e-8)
 near(
     "by hand against F.layer_norm, values", by_hand(h, gains), library(h, gains), 1e-15
 )
+
+# %%
+# Each of the 48 entries of the gradient in h: autograd through the tangent against central
+# differences. Right entries lie on the diagonal; ``F.layer_norm``'s do not.
+fig, ax = plt.subplots(figsize=(5.5, 4.5), layout="constrained")
+ax.axline((0, 0), slope=1, color="0.8", linewidth=4, zorder=0)
+ax.plot(hand_want.flatten(), hand_got.flatten(), "o", color="0.55", label="by hand")
+ax.plot(want.flatten(), got.flatten(), "x", color="black", label="F.layer_norm")
+ax.set(xlabel="central differences", ylabel="autograd through the jvp's tangent",
+       title=f"Gradient of a tangent loss, torch {torch.__version__}")  # fmt: skip
+ax.legend()
+plt.show()
 
 # %%
 # expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16
