@@ -343,7 +343,7 @@ drawn = {"kept table": (step_2, "s--"), "Fresh": (fresh_2, "o-")}
 for label, (second_call, look) in drawn.items():
     gaps = second_call["mix.weight"] - truth_2["mix.weight"]
     per_row = gaps.flatten(1).abs().amax(1) / truth_2["mix.weight"].abs().max()
-    ax.plot(per_row.clamp_min(1e-18), look, color="black", label=label)
+    ax.plot(per_row.clamp_min(1e-18).cpu(), look, color="black", label=label)
 ax.set(yscale="log", xlabel="sample", title=f"Second call, torch {torch.__version__}")
 ax.legend()
 plt.show()
