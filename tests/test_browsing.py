@@ -321,6 +321,15 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             {"plot_troubleshooting_training_through_jvp"},
         ),
         ("inference_mode return zeros", {"plot_troubleshooting_fixed_reports"}),
+        (
+            "accessing data under vmap transform",
+            {
+                "plot_troubleshooting_eager_only",
+                "plot_troubleshooting_indices_and_batched_grads",
+            },
+        ),
+        ("querying is_contiguous inside of vmap", {"plot_troubleshooting_eager_only"}),
+        ("mat2 must be a matrix", {"plot_troubleshooting_eager_only"}),
         ("hit the vmap fallback", {"plot_operators_under_vmap"}),
     ],
 )

@@ -5,9 +5,9 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box to find this page: each title begins with the message's
 first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or
 links it), asserts its type and words (``raises``), checks the fix against a reference (``agree``);
-:ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py` explains some. Parts 2 to 13:
-:doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
-:doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
+:doc:`plot_pitfalls` explains some. Parts 2 to 14: :doc:`plot_troubleshooting_arguments`,
+:doc:`plot_troubleshooting_libraries`, :doc:`plot_troubleshooting_custom_and_compiled`,
+:doc:`plot_troubleshooting_versions_and_export`, :doc:`plot_troubleshooting_eager_only`,
 :doc:`plot_troubleshooting_compiled_scripted_seeded`, :doc:`plot_troubleshooting_cuda_kernels`,
 :doc:`plot_troubleshooting_indices_and_batched_grads`, :doc:`plot_troubleshooting_escaped_tensors`,
 :doc:`plot_troubleshooting_refused_modules_and_nan`, :doc:`plot_troubleshooting_batched_linalg`,

@@ -1,0 +1,271 @@
+"""
+Troubleshooting, part 14: what eager allows and vmap refuses: .data, memory formats, 1-D weights
+================================================================================================
+
+Three errors from code that runs in eager and stops under a transform: reading ``.data`` inside
+``vmap`` (a model's own code, or a summary tool's hook, as torchinfo's); asking for a memory
+format such as ``channels_last`` inside ``vmap``; and ``F.linear`` with a 1-D weight under
+``grad``, ``jvp`` or ``vmap``. Each is raised and asserted, its cause read in torch's source or
+shown by a log of the operators that ran, and its fix checked against eager autograd or a loop.
+Then a table of what a function may ask of its tensor under ``vmap``, ``grad`` and ``jvp``.
+Part 1: :doc:`plot_troubleshooting`; hooks under transforms: :doc:`plot_extending_torch_func`.
+"""
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, jvp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+wide = dict(dtype=torch.float64, device=device)  # float64 on the page's device
+
+
+def raises(kind, words, call):
+    """call() raises exactly kind, with words in its message; returns the message."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 (its type is asserted below)
+        text = " ".join(f"{err}".split())
+        assert type(err) is kind and words in text, f"{type(err).__name__}: {text}"
+        print(f"  {kind.__name__}: {text[:100]}")
+        return text
+    raise AssertionError(f"torch {torch.__version__}: no {kind.__name__} ({words})")
+
+
+def close(label, got, want, bound):
+    """got against want: the largest gap over the largest reference entry, within bound."""
+    assert got.shape == want.shape, f"{label}: {tuple(got.shape)}, {tuple(want.shape)}"
+    gap = ((got - want).abs().max() / want.abs().max()).item()
+    assert gap <= bound, f"{label}: error {gap:.1e} above {bound:.0e}"  # NaN fails too
+    print(f"  {label}: error {gap:.1e}, bound {bound:.0e}")
+
+
+# %%
+# accessing `data` under vmap transform is not allowed
+# ----------------------------------------------------
+# A ``RuntimeError`` when code under ``vmap`` reads ``t.data``: yours, or a tool's. Here a layer
+# maps a small function over its channels with ``vmap`` (as state-space layers such as S5 do;
+# i404788/s5-pytorch#5), and a summary tool records each layer's input with a forward hook that
+# asks ``hasattr(t, "data")``, as torchinfo does. ``hasattr`` catches only ``AttributeError``, so
+# the ``RuntimeError`` goes through. The hook on the mapped ``nn.Linear`` runs inside ``vmap``.
+class PerChannel(nn.Module):  # one small MLP shared by every channel, mapped with vmap
+    def __init__(self, width=8):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 1))
+        self.inner.to(**wide)
+
+    def forward(self, x):  # x: (batch, channels, 3) -> (batch, channels)
+        return vmap(self.inner, in_dims=1, out_dims=1)(x)[..., 0]
+
+
+def summary(model, x, check):
+    """Each leaf module's input size, from forward hooks; check(t) picks what is a tensor."""
+    rows, handles = [], []
+    for name, layer in model.named_modules():
+        if not list(layer.children()):
+            hook = lambda m, args, out, n=name: rows.append(  # noqa: E731
+                (n, tuple(args[0].shape) if check(args[0]) else None)
+            )
+            handles.append(layer.register_forward_hook(hook))
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+layer, x = PerChannel(), torch.randn(5, 4, 3, **wide)  # 5 samples, 4 channels
+raises(RuntimeError, "accessing `data` under vmap transform is not allowed",
+       lambda: summary(layer, x, lambda t: hasattr(t, "data")))  # fmt: skip
+
+# %%
+# The fix in the tool: ask ``isinstance(t, torch.Tensor)``, not for ``.data``. The sizes it then
+# records for the layers inside the ``vmap`` are one channel's, (5, 3), with no channel axis
+# (asserted): a summary of a mapped layer describes one call of the function ``vmap`` maps.
+rows = summary(layer, x, lambda t: isinstance(t, torch.Tensor))
+print("  recorded:", rows)
+assert rows[0] == ("inner.0", (5, 3)) and rows[-1] == ("inner.2", (5, 8)), rows
+
+# %%
+# In your own code under ``vmap``, ``t.detach()`` gives what ``t.data`` would: the same values,
+# cut from autograd. Here a layer that scales by a weight read through ``.data`` (so no gradient
+# flows to it), mapped over an ensemble's members; the fix against a loop of eager calls.
+# Why it raises: ``.data`` makes a detached shallow copy of the tensor's implementation, and
+# functorch's ``BatchedTensorImpl::shallow_copy_and_detach`` raises this message on purpose
+# (read in ``aten/src/ATen/functorch/BatchedTensorImpl.cpp``); setting ``t.data = ...`` raises
+# "mutating directly with `.data` under vmap transform is not allowed." Under ``grad``, ``.data``
+# runs, as a stop-gradient (:doc:`plot_tensor_types_under_transforms`).
+scales = torch.rand(3, 4, **wide) + 0.5  # 3 members' weights
+through_data = vmap(lambda s, x: x * s.data[:, None], in_dims=(0, None))
+raises(RuntimeError, "accessing `data` under vmap", lambda: through_data(scales, x[0]))
+by_detach = vmap(lambda s, x: x * s.detach()[:, None], in_dims=(0, None))(scales, x[0])
+close("detach() under vmap, against a loop", by_detach,
+      torch.stack([x[0] * s[:, None] for s in scales]), 0.0)  # fmt: skip
+setter = vmap(lambda t: setattr(t, "data", t * 2) or t)
+raises(RuntimeError, "mutating directly with `.data`", lambda: setter(x))
+
+# %%
+# NYI: querying is_contiguous inside of vmap for memory_format other than torch.contiguous_format
+# -------------------------------------------------------------------------------------------------
+# A ``RuntimeError`` when code under ``vmap`` asks about or converts to a memory format other
+# than the default: ``is_contiguous(memory_format=...)``, ``contiguous(memory_format=...)`` with
+# ``channels_last``, ``channels_last_3d``, even ``preserve_format``. Keras 3's ``vectorized_map``
+# on the torch backend raised it from a 3-D convolution (keras-team/keras#23587). ``grad`` and
+# ``jvp`` run the same calls (asserted below); a layout changes where values sit, never which.
+# The fix: convert the whole batch outside ``vmap``, where the call is allowed, and keep layout
+# calls out of the mapped function. Checked against the convolution of the whole batch, eager.
+conv = nn.Conv3d(3, 2, 2).to(**wide)
+volumes = torch.randn(4, 3, 5, 6, 7, **wide)  # 4 samples, 3 channels, 5 x 6 x 7
+to_channels_last = lambda v: v.contiguous(memory_format=torch.channels_last)  # noqa: E731
+as_written = vmap(lambda v: conv(to_channels_last(v)[None])[0])  # v: (3, 5, 6, 7)
+raises(
+    RuntimeError,
+    "NYI: querying is_contiguous inside of vmap",
+    lambda: as_written(volumes),
+)
+outside = volumes.contiguous(
+    memory_format=torch.channels_last_3d
+)  # the batch, outside vmap
+mapped = vmap(lambda v: conv(v[None])[0])(outside)
+close("channels_last_3d batch, mapped conv", mapped, conv(volumes), 1e-15)
+assert outside.is_contiguous(memory_format=torch.channels_last_3d)
+for name, transform in [("grad", lambda f, v: grad(lambda u: f(u).sum())(v)),
+                        ("jvp", lambda f, v: jvp(f, (v,), (v,))[1])]:  # fmt: skip
+    transform(to_channels_last, volumes[0])  # runs: only vmap refuses
+    print(f"  {name}: contiguous(memory_format=channels_last) runs")
+
+
+# %%
+# mat2 must be a matrix, got 1-D tensor
+# -------------------------------------
+# A ``RuntimeError`` from ``F.linear(x, w, b)`` with a 1-D weight ``w`` (one output, no output
+# axis), as pytorch#188891 reports: eager accepts a 1-D or 3-D ``x`` but refuses a 2-D one, and
+# under ``grad`` and ``jvp`` the 3-D call fails too (``vmap`` fails with "Shape mismatch: Got
+# incorrect dims for mm"). Why, from a log of the operators that reached the kernels (a
+# ``TorchDispatchMode``): eager sends a 3-D input through ``view`` and ``mv``, a matrix times a
+# vector, and a 2-D input through ``addmm``, which wants a matrix and raises the message. Under
+# ``grad``, the 3-D call runs ``view`` then ``addmm``: the 2-D path, so the same error.
+class Operators(TorchDispatchMode):  # records each operator that reaches a kernel
+    def __torch_dispatch__(self, kernel, types, args=(), kwargs=None):
+        self.seen.append(kernel.overloadpacket.__name__)
+        return kernel(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.seen = []
+        return super().__enter__()
+
+
+tokens = torch.randn(2, 5, 3, **wide)  # 2 sequences of 5 tokens, 3 features
+w, b = torch.randn(3, **wide), torch.tensor(0.5, **wide)
+eager_3d, eager_2d, under_grad = Operators(), Operators(), Operators()
+with eager_3d:
+    F.linear(tokens, w, b)  # runs
+with eager_2d:
+    raises(RuntimeError, "mat2 must be a matrix", lambda: F.linear(tokens[0], w, b))
+readout = lambda w: F.linear(tokens, w, b).sum()  # noqa: E731
+with under_grad:
+    raises(
+        RuntimeError, "mat2 must be a matrix, got 1-D tensor", lambda: grad(readout)(w)
+    )
+for label, log in [("eager, 3-D", eager_3d), ("eager, 2-D", eager_2d),
+                   ("grad, 3-D", under_grad)]:  # fmt: skip
+    print(f"  {label}: {log.seen}")
+assert "mv" in eager_3d.seen and "addmm" not in eager_3d.seen
+assert "addmm" in eager_2d.seen and "addmm" in under_grad.seen
+raises(RuntimeError, "mat2 must be a matrix",
+       lambda: jvp(lambda t: F.linear(t, w, b), (tokens,), (tokens,)))  # fmt: skip
+raises(RuntimeError, "Shape mismatch: Got incorrect dims for mm",
+       lambda: vmap(lambda t: F.linear(t, w, b))(tokens))  # fmt: skip
+
+# %%
+# The fix: write the product out, ``x @ w + b``; ``matmul`` takes a 1-D right operand at any
+# rank of ``x``, in eager and under the transforms. (Or keep the weight 2-D, ``(1, features)``,
+# and drop the output axis.) Checked in float64 against the closed forms: the gradient of
+# ``sum(x @ w + b)`` in ``w`` is the sum of the tokens; the jvp in ``x`` along ``v`` is
+# ``v @ w``; per sequence under ``vmap``, the loop of eager calls.
+out_product = lambda w, t: t @ w + b  # noqa: E731
+close("grad of sum(x @ w + b)", grad(lambda w: out_product(w, tokens).sum())(w),
+      tokens.sum((0, 1)), 1e-15)  # fmt: skip
+along = torch.randn_like(tokens)
+tangent = jvp(lambda t: out_product(w, t), (tokens,), (along,))[1]
+close("jvp of x @ w + b", tangent, along @ w, 1e-15)
+close("vmap of x @ w + b", vmap(lambda t: out_product(w, t))(tokens),
+      torch.stack([F.linear(t[None], w, b)[0] for t in tokens]), 1e-15)  # fmt: skip
+as_matrix = lambda w, t: F.linear(t, w[None], b)[..., 0]  # noqa: E731
+close("2-D weight, grad", grad(lambda w: as_matrix(w, tokens).sum())(w),
+      tokens.sum((0, 1)), 1e-15)  # fmt: skip
+
+# %%
+# What a function may ask of its tensor, under each transform
+# -----------------------------------------------------------
+# Each question asked of the input inside ``vmap``, ``grad`` and ``jvp`` (on the CPU, whatever
+# this page's device: ``numpy`` needs it). "runs" or the error's first words; the ``vmap``
+# column is asserted. Under ``vmap`` sizes and strides are one sample's. Each transform hands the
+# function a wrapper tensor, so storage, data pointers, NumPy and ``requires_grad_`` are refused
+# under all three; only ``vmap`` refuses ``.data`` and memory-format questions.
+QUESTIONS = {
+    "t.shape, t.stride()": lambda t: (t.shape, t.stride()),
+    "isinstance(t, Tensor)": lambda t: isinstance(t, torch.Tensor),
+    "t.requires_grad, t.grad_fn": lambda t: (t.requires_grad, t.grad_fn),
+    "t.detach()": lambda t: t.detach(),
+    "t.is_contiguous()": lambda t: t.is_contiguous(),
+    "t.data": lambda t: t.data,
+    "t.is_contiguous(channels_last)": lambda t: t.is_contiguous(
+        memory_format=torch.channels_last
+    ),
+    "t.numpy()": lambda t: t.detach().numpy(),
+    "t.data_ptr()": lambda t: t.data_ptr(),
+    "t.untyped_storage()": lambda t: t.untyped_storage(),
+    "t.requires_grad_()": lambda t: t.requires_grad_(),
+}
+TRANSFORMS = {
+    "vmap": lambda ask, t: vmap(lambda u: (ask(u), u)[1])(t),
+    "grad": lambda ask, t: grad(lambda u: (ask(u), u.sum())[1])(t[0]),
+    "jvp": lambda ask, t: jvp(lambda u: (ask(u), u)[1], (t[0],), (t[0],)),
+}
+batch = torch.randn(3, 2, 4, 5, dtype=torch.float64)  # on the CPU
+answers = {}
+for question, ask in QUESTIONS.items():
+    for name, transform in TRANSFORMS.items():
+        try:
+            transform(ask, batch)
+            answers[question, name] = "runs"
+        except Exception as err:  # noqa: BLE001 (each outcome is a table entry)
+            answers[question, name] = " ".join(str(err).split()[:5])
+print(f"{'':>31}" + "".join(f"{name:>29}" for name in TRANSFORMS))
+for question in QUESTIONS:
+    print(
+        f"{question:>31}"
+        + "".join(f"{answers[question, n][:27]:>29}" for n in TRANSFORMS)
+    )
+refused_by_vmap = [q for q in QUESTIONS if answers[q, "vmap"] != "runs"]
+assert refused_by_vmap == list(QUESTIONS)[5:], refused_by_vmap
+
+# %%
+# The same table as a picture: dark where the question raises.
+fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+refused = [[answers[q, n] != "runs" for n in TRANSFORMS] for q in QUESTIONS]
+ax.imshow(refused, cmap="Greys", vmin=-0.3, vmax=1.3, aspect="auto")
+ax.set_xticks(range(len(TRANSFORMS)), list(TRANSFORMS))
+ax.set_yticks(range(len(QUESTIONS)), list(QUESTIONS))
+ax.set_title(f"Refused (dark) or answered, torch {torch.__version__}")
+plt.show()
+
+# %%
+# What to remember
+# ----------------
+# - Under ``vmap``, read ``t.detach()``, not ``t.data``; a tool's hook should test
+#   ``isinstance(t, torch.Tensor)``, not ``hasattr(t, "data")``. Inside ``vmap`` a hook sees one
+#   sample's sizes.
+# - Memory formats are a layout, not values: convert the batch outside ``vmap`` and keep
+#   ``contiguous(memory_format=...)`` and ``is_contiguous(memory_format=...)`` out of the mapped
+#   function.
+# - ``F.linear`` with a 1-D weight runs in eager at some ranks only and fails under ``grad``,
+#   ``jvp`` and ``vmap``: write ``x @ w + b``, or keep the weight 2-D.
+# - Inside any transform, storage, data pointers and NumPy are refused; under ``vmap``, sizes
+#   and strides are one sample's.
