@@ -349,10 +349,10 @@ ax.legend()
 plt.show()
 
 # %%
-# How to find the kept tensor: run ``leaks`` (top of the page; private ``torch._C._functorch``
-# functions, 2.13) on a module or ``globals()`` after a transform returns. Here: the table on
-# ``tuned``, a list filled in ``vmap``. Return such values instead (``has_aux=True`` under
-# ``grad``), as torch.func's "UX Limitations" page advises (JAX: ``jax.checking_leaks()``).
+# How to find the kept tensor: after a transform returns, run ``leaks`` (top of the page; private
+# ``torch._C._functorch`` functions, 2.13) on each module and on ``globals()``, which it searches
+# outside modules only. Here: the table on ``tuned``, a list filled in ``vmap``. Return such
+# values instead (``has_aux=True``), as torch.func's "UX Limitations" page advises.
 seen_inside = []
 vmap(lambda x: seen_inside.append(x.mean()) or x.sin())(xs[0])
 found = {**{f"tuned.{k}": v for k, v in leaks(tuned).items()}, **leaks(globals())}
@@ -365,11 +365,11 @@ assert found == {"tuned.table": "a dead autograd wrapper",
 # (Older releases) functorch and early torch.func messages: does the code run now?
 # --------------------------------------------------------------------------------
 # A message from functorch or a torch 2.0 nightly may name a bug since fixed, or one in the code:
-# run the thread's code (small here) on your torch against a loop or a closed form. Four match
-# now: ``prod``'s backward counts zeros with ``.item()``, which a batched input cannot give (PR
-# #81969 sends vmap's tensors down the zero-safe path; one zero here), the slice, the masked write
-# and ``torch.take``. Two are the code's own: ``torch.tensor`` copies values out of the transform
-# (``torch.stack`` keeps the path); ``vmap`` gives ``F.normalize`` one row, without its ``dim=1``.
+# run the thread's code (small here) on your torch against a loop or a closed form. Four match now:
+# ``prod``'s backward counts zeros with ``.item()``, which a batched input cannot give (PR #81969
+# sends vmap's tensors down the zero-safe path), the slice, the masked write, ``torch.take``. Two
+# are the code's own: ``torch.tensor`` copies values out of the transform, a zero Jacobian (use
+# ``torch.stack``); ``vmap`` hands ``F.normalize`` one row, which has no ``dim=1`` (use ``dim=-1``).
 def unit_rows(t):  # as in pytorch#99187: for a batch of rows; vmap gives it one row
     return F.normalize(t)
 

@@ -3,13 +3,12 @@ Troubleshooting, part 13: reported bugs that torch 2.13 no longer has
 =====================================================================
 
 Four reports of wrong numbers or errors from ``torch.func`` that torch 2.13 does not reproduce:
-zeros from ``grad``, ``vjp`` and ``jvp`` under ``torch.inference_mode()``; half the gradient from
-``torch.compile`` around ``grad`` with ``+=``; "Dimension out of range" from ``jacrev`` or
-``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``. Each section names the thread,
-re-runs code like the reporter's against a closed form or a loop, and gives a workaround for
-releases that still have the bug, checked on 2.13 to give the same answer (that it avoids the bug
-on an older release follows from the thread, not from a run here). The last sections are a check
-to run on your own release. Part 1: :doc:`plot_troubleshooting`; other old threads, re-run:
+zeros from ``grad``, ``vjp`` and ``jvp`` under ``torch.inference_mode()`` (``linearize`` still
+gives them); half the gradient from ``torch.compile`` around ``grad`` with ``+=``; "Dimension out
+of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``.
+Each section re-runs code like the reporter's against a closed form or a loop, and checks a
+workaround for older releases on 2.13 (the inference-mode ones also on 2.11, which has that bug).
+Then a check to run on your release. Part 1: :doc:`plot_troubleshooting`; other old threads:
 :doc:`plot_troubleshooting_escaped_tensors` ("(Older releases)").
 """
 
@@ -21,7 +20,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import grad, jacfwd, jacrev, jvp, linearize, vjp, vmap
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
@@ -58,12 +57,13 @@ def fails_with(kind, words, call):
 # pytorch#177318 (2026): under ``torch.inference_mode()``, ``jvp`` of ``x**2`` returned a tangent
 # of zeros, and ``grad`` and ``vjp`` zeros too, with no error. The thread's account: the
 # transforms turn grad mode on, but inference mode also removes autograd's dispatch keys, which
-# that does not restore. The thread names no release as far as I could read it, and I could not
-# run older ones. On 2.13 the transformed function runs with inference mode off (asserted, with
-# ``torch.is_inference_mode_enabled()`` inside it; in the thread's account nothing turned it
-# off), and vjp's backward, which runs later, leaves it through ``_disable_inference_mode``, the
-# helper named in PR #177596, which says it fixes the issue. Here: the three in the block, on
-# an input made before it and on one made in it (an inference tensor), against ``2 x``.
+# that does not restore. One run of this page with torch 2.11.0 (an NVIDIA H100 machine, CUDA
+# and CPU) had the bug: inference mode on inside the transformed function, wrong derivatives, and
+# ``still_there`` (below) printed "wrong values". On 2.13 the transformed function runs with
+# inference mode off (asserted, with ``torch.is_inference_mode_enabled()``), and vjp's backward,
+# which runs later, leaves it through ``_disable_inference_mode``, named in PR #177596, which says
+# it fixes the issue. Here: the three in the block, on an input made before it and on one made in
+# it (an inference tensor), against ``2 x``.
 square = lambda x: x**2  # noqa: E731
 square_sum = lambda x: square(x).sum()  # noqa: E731
 x = torch.tensor([1.0, -2.0, 3.0], **F64)
@@ -93,15 +93,20 @@ with torch.inference_mode():
     print(
         f"  in the block: {torch.is_inference_mode_enabled()}; under grad, jvp: {modes_seen}"
     )
-assert made_inside.is_inference() and modes_seen == [False, False]
+assert made_inside.is_inference() and modes_seen == [False, False], (
+    f"inference mode seen inside grad, jvp: {modes_seen}: this torch has pytorch#177318"
+)
 for where, results in in_block.items():
     for name, got in results.items():
         gap_to(f"inference_mode, {name}, input made {where}", got, closed[name], 1e-15)
 
 # %%
-# The fix covers ``torch.func`` only. ``torch.autograd.functional.jacobian`` still gives zeros in
-# the block on 2.13, silently (pytorch#128264, open when read; asserted). Three workarounds for a
-# release with the bug, checked here with ``torch.func`` (the second with ``jacobian`` too):
+# The fix covers ``grad``, ``vjp`` and ``jvp`` (and ``jacrev``, ``jacfwd``, ``hessian``, built on
+# them), not ``torch.func.linearize``: its ``jvp_fn`` made in the block returns zeros on 2.13,
+# even when called after the block (asserted). Nor ``torch.autograd.functional.jacobian``: zeros
+# in the block, silently (pytorch#128264, open when read; asserted). Three workarounds for a
+# release with the bug, checked here with ``torch.func`` (the second with ``jacobian`` and
+# ``linearize`` too):
 # ``torch.no_grad()`` instead (the transforms turn grad mode back on, as the thread says they did
 # already); ``torch.inference_mode(False)`` around the derivative with cloned inputs (a clone made
 # there is an ordinary tensor, asserted, where an inference tensor may be refused: "Inference
@@ -109,8 +114,13 @@ for where, results in in_block.items():
 # derivative after the block.
 with torch.inference_mode():
     old_api = torch.autograd.functional.jacobian(square, x)
+    _, pushed = linearize(square, x)  # its jvp_fn
 print("  autograd.functional.jacobian in the block: all zeros:", not old_api.any())
-assert not old_api.any()
+print(
+    "  linearize's jvp_fn, made in the block, called after: all zeros:",
+    not pushed(v).any(),
+)
+assert not old_api.any() and not pushed(v).any()
 diagonal = torch.diag(2 * x)  # the Jacobian of x**2
 with torch.inference_mode():
     values = square(made_inside)  # the evaluation the block is for
@@ -119,6 +129,7 @@ with torch.inference_mode():
         assert not fresh.is_inference()
         workaround = {"inference_mode(False)": three_derivatives(fresh)}
         jacobian_inside = torch.autograd.functional.jacobian(square, fresh)
+        pushed_inside = linearize(square, fresh)[1]
 workaround["no_grad"] = torch.no_grad()(three_derivatives)(x)  # as a decorator
 workaround["after the block"] = three_derivatives(made_inside.clone())
 for how, results in workaround.items():
@@ -130,6 +141,7 @@ gap_to(
     diagonal,
     1e-15,
 )
+gap_to("inference_mode(False), linearize", pushed_inside(v), 2 * x * v, 1e-15)
 gap_to("the block's own values", values, x * x, 1e-15)
 
 
@@ -353,9 +365,10 @@ assert undone["pytorch#102208, vmap(linspace)"].startswith(
 assert list(undone.values())[:3] == ["fixed"] * 3, undone
 
 # %%
-# Every workaround and fix against its closed form
-# ------------------------------------------------
-# Each check's error (black) and its bound (grey bar). A zero, exact, is drawn at 1e-18.
+# Every workaround and fix against its reference
+# ----------------------------------------------
+# Each check's error (black) against its closed form or loop, and its bound (grey bar). A zero,
+# exact, is drawn at 1e-18.
 labels = list(measured)
 error_at, bound_at = (
     [max(value, 1e-18) for value in pair] for pair in zip(*measured.values())
@@ -374,8 +387,8 @@ plt.show()
 # - A pasted message or a wrong number from an old thread may be a bug torch has fixed: re-run
 #   the thread's code, small, on your release against a closed form or a loop (``still_there``).
 # - Under ``torch.inference_mode()``, take derivatives in ``torch.inference_mode(False)`` with
-#   cloned inputs, under ``no_grad`` instead, or after the block. On 2.13 the transforms are
-#   right in the block, but ``torch.autograd.functional.jacobian`` still returns zeros there.
+#   cloned inputs, under ``no_grad`` instead, or after the block. On 2.13 ``grad``, ``vjp`` and
+#   ``jvp`` are right in the block; ``linearize`` and ``autograd.functional.jacobian`` give zeros.
 # - Check a compiled ``grad`` against eager; accumulate out of place (``select_scatter``).
 # - "Dimension out of range" has two causes: call the function on what the transform hands it,
 #   without the transform. Raises: your code. Runs: the transform (reshape a 0-d input to ``(1,)``).

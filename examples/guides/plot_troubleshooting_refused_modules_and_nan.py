@@ -424,13 +424,14 @@ agree("autograd.Function, jacfwd", [jacfwd(with_tangent)(tokens)], [rows], 1e-15
 # %%
 # Every fix against its reference
 # -------------------------------
-# Each fix's error (dot) and its bound (line); an exact result is drawn at 1e-19.
+# Each check's error (dot) and its bound (tick); an exact result is drawn at 1e-19. Where the
+# reference is a finite difference (three Hessians), the dot is mostly that difference's error.
 names, worst_errors, error_bounds = zip(*fixes_checked)
 fig, ax = plt.subplots(figsize=(9, 5.5), layout="constrained")
 ax.plot([max(e, 1e-19) for e in worst_errors], names, "o", color="black")
 ax.scatter(error_bounds, names, marker="|", s=300, color="0.4")
 ax.set(xscale="log", xlabel="gap / largest reference entry", ylim=(len(names), -1))
-ax.set_title(f"{len(names)} fixes on {device.type}: error (dot), bound (tick)")
+ax.set_title(f"{len(names)} checks on {device.type}: error (dot), bound (tick)")
 plt.show()
 
 # %%

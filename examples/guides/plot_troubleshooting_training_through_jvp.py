@@ -27,7 +27,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.func import functional_call, jvp, stack_module_state, vmap
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-device = torch.device("cpu")  # small models: every tensor here is on the CPU, GPU or not
+# Small models: every tensor here is on the CPU, GPU or not.
+device = torch.device("cpu")
 torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 f64, bf16 = torch.float64, torch.bfloat16
