@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.func import functional_call, jvp, stack_module_state, vmap
 from torch.utils.checkpoint import CheckpointError, checkpoint
@@ -39,9 +40,7 @@ def refused(kind, words, call, label):  # call() raises exactly kind, with words
         call()
     except Exception as caught:  # noqa: BLE001 (its type is asserted)
         said = " ".join(f"{caught}".split())
-        assert type(caught) is kind and words in said, (
-            f"{label}: {type(caught)}: {said}"
-        )
+        assert type(caught) is kind and words in said, f"{label}: {caught!r}"
         print(f"{label}: {kind.__name__}: {textwrap.shorten(said, 120)}")
         return
     raise AssertionError(f"{label}: torch {torch.__version__} raised nothing")
@@ -145,13 +144,11 @@ print(f"  F.layer_norm: the gradient is off by {off:.2f} of its norm")
 assert off > 0.1  # wrong: when a torch release fixes it, this line fails
 hand_got, hand_want = tangent_loss_grad(by_hand, h.detach(), dh, gains)
 near("layer norm by hand", hand_got, hand_want, 1e-8)
-near(
-    "by hand against F.layer_norm, values", by_hand(h, gains), library(h, gains), 1e-15
-)
+near("by hand against F.layer_norm, values", by_hand(h, gains), library(h, gains),
+     1e-15)  # fmt: skip
 
 # %%
-# Each of the 48 entries of the gradient in h: autograd through the tangent against central
-# differences. Right entries lie on the diagonal; ``F.layer_norm``'s do not.
+# The gradient in h, 24 entries, autograd against central differences: right ones lie on x = y.
 fig, ax = plt.subplots(figsize=(5.5, 4.5), layout="constrained")
 ax.axline((0, 0), slope=1, color="0.8", linewidth=4, zorder=0)
 ax.plot(hand_want.flatten(), hand_got.flatten(), "o", color="0.55", label="by hand")
@@ -167,19 +164,18 @@ plt.show()
 # A ``RuntimeError`` when a tangent's dtype differs from its primal's, here a float32 ``v`` for a
 # bfloat16 ``z`` (or a float32 primal with a bfloat16 tangent, which names the dtypes the other
 # way round). ``jvp`` does not compare the two: the first matrix product's forward-mode formula
-# multiplies the tangent by the weight and refuses the mix. Without a matrix product nothing
-# raises: the tangent of ``torch.sin`` comes back in float32 for a bfloat16 primal (below). An
+# multiplies the tangent by the weight and refuses the mix. An elementwise operation does not
+# check: the tangent of ``torch.sin`` comes back in float32 for a bfloat16 primal (below). An
 # integer tangent is refused up front with a ``ValueError``. The fix: make each tangent in its
 # primal's dtype, ``v.to(z.dtype)`` or ``torch.randn_like(z)``.
 bf_field = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2)).to(bf16)
 z_bf, v_bf = z.detach().to(bf16), v.to(bf16)
 mixed = partial(jvp, bf_field, (z_bf,), (v.float(),))
-refused(
-    RuntimeError, "expected m1 and m2 to have the same dtype", mixed, "float32 tangent"
-)
+refused(RuntimeError, "expected m1 and m2 to have the same dtype", mixed,
+        "float32 tangent")  # fmt: skip
 sine_tangent = jvp(torch.sin, (z_bf,), (v.float(),))[1]
 print(
-    f"  torch.sin: a bfloat16 primal, float32 tangent: a {sine_tangent.dtype} tangent"
+    f"  torch.sin, a bfloat16 primal, float32 tangent: a {sine_tangent.dtype} tangent"
 )
 assert sine_tangent.dtype == torch.float32
 counted = partial(jvp, bf_field, (z_bf,), (v.long(),))
@@ -197,9 +193,8 @@ refused(ValueError, "Expected tangent to be floating point", counted, "int64 tan
 z_bf.requires_grad_()
 jvp_loss(bf_field, z_bf, v_bf, target.to(bf16)).backward()
 assert bf_field[0].weight.grad.dtype == bf16
-check_grads(
-    "all bfloat16", bf_field, z_bf, by_differences(bf_field, z_bf, v_bf, target), 2e-2
-)
+by_bf = by_differences(bf_field, z_bf, v_bf, target)
+check_grads("all bfloat16", bf_field, z_bf, by_bf, 2e-2)
 normed = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))  # float32
 z32 = z.detach().float().requires_grad_()
 with torch.autocast("cpu", dtype=bf16):
@@ -269,20 +264,15 @@ for norm, how in fixes:
 # A ``RuntimeError`` from an ``autograd.Function`` written in the older style under ``jvp``:
 # here ``checkpoint(use_reentrant=True)`` inside the function (part 2 has the rule). The same
 # message came from FSDP2's ``replicate`` with torch 2.11 (pytorch#182641), from its internal
-# ``RegisterPostBackwardFunction``. In 2.13 that Function defines ``setup_context`` and a
-# ``jvp`` staticmethod (read in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``),
-# and a jvp training step through ``fully_shard`` and FSDP2's ``replicate`` ran here, in one
-# gloo process on the CPU, its gradients equal to the unwrapped model's. That shows the gather
-# and free of parameters under a jvp on one rank, not that Function's ``jvp`` (inputs here do not
-# require grad). Not checked: several ranks, GPUs, NCCL, or FSDP1 (refuses a CPU-only machine).
+# ``RegisterPostBackwardFunction``, which in 2.13 defines ``setup_context`` and a ``jvp`` (read in
+# ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``). A jvp training step through
+# ``fully_shard`` and ``replicate`` ran here, in one gloo process on the CPU, its gradients equal
+# to the unwrapped model's: the gather and free of parameters under a jvp on one rank, not
+# necessarily that Function's ``jvp``. Not checked: several ranks, GPUs, NCCL, or FSDP1.
 reentrant = lambda x: checkpoint(field, x, use_reentrant=True)  # noqa: E731
 old_style = partial(jvp, reentrant, (z.detach(),), (v,))
-refused(
-    RuntimeError,
-    "it must override the setup_context staticmethod",
-    old_style,
-    "reentrant",
-)
+refused(RuntimeError, "it must override the setup_context staticmethod", old_style,
+        "reentrant")  # fmt: skip
 
 started_here, excepthook = not dist.is_initialized(), sys.excepthook
 if started_here:  # a store in memory: no port, one rank
@@ -290,9 +280,13 @@ if started_here:  # a store in memory: no port, one rank
     sys.excepthook = excepthook  # init_process_group replaces it
 field.zero_grad()
 jvp_loss(field, z.detach(), v, target).backward()
-for wrap in (fully_shard, replicate):
+meshes = {  # on the CPU, explicitly: without a mesh FSDP2 builds one on the GPU, if any
+    fully_shard: init_device_mesh("cpu", (1,)),
+    replicate: init_device_mesh("cpu", (1,), mesh_dim_names=("replicate",)),
+}
+for wrap, mesh in meshes.items():
     wrapped = copy.deepcopy(field)
-    wrap(wrapped)
+    wrap(wrapped, mesh=mesh)
     wrapped.zero_grad()
     jvp_loss(wrapped, z.detach().clone().requires_grad_(), v, target).backward()
     for (name, p), plain in zip(
@@ -310,18 +304,14 @@ if started_here:
 # %%
 # torch.utils.checkpoint: A different number of tensors was saved during the original forward
 # --------------------------------------------------------------------------------------------
-# A ``CheckpointError`` (a ``RuntimeError``) from ``backward()`` after a ``jvp`` through
-# ``checkpoint(use_reentrant=False)``: the jvp itself runs (part 2 checks its value), the backward
-# does not, with ``determinism_check="none"`` too (asserted). The cause, from the counts the
-# message prints and a pack hook's count: under the jvp the checkpointed forward saved tensors for
-# the tangent's computation as well (10 here), but the recomputation runs during ``backward()``,
-# after the jvp has returned, so it redoes the primal alone (4). MeanFlow#4 met the reentrant
-# kind. The fix we found for the error: checkpoint around the whole jvp, so that the recomputation
-# reruns the jvp and saves the same tensors. It probably does not lower peak memory, since
-# ``backward()`` then recomputes the whole jvp at once (not measured here); a checkpoint per
-# block, each taking value and tangent together, is the memory route (not shown). Checked:
-# gradients against the differences, the jvp runs twice, and the tensors autograd keeps between
-# forward and backward.
+# A ``CheckpointError`` from ``backward()`` after a ``jvp`` through a non-reentrant
+# ``checkpoint``; the jvp runs (part 2), ``determinism_check="none"`` does not help (asserted).
+# Why, from the message's counts and a pack hook's: under the jvp the checkpointed forward saved
+# tensors for the tangent too (10), but the recomputation, in ``backward()``, redoes the primal
+# alone (4). MeanFlow#4 met the reentrant kind. Fixes: checkpoint around the whole jvp (3 tensors
+# kept of 11, but ``backward()`` recomputes the whole jvp at once, so probably no lower peak;
+# memory not measured); or each block's jvp, value and tangent together (``per_block``, 7 kept,
+# recomputed a block at a time). All checked.
 def jvp_inside_checkpoint(x, dx):
     return jvp(lambda y: checkpoint(field, y, use_reentrant=False), (x,), (dx,))
 
@@ -374,9 +364,25 @@ kept = pack_count(
 print(f"  the step keeps {bare} tensors, {kept} with checkpoint around the jvp")
 print(f"  the jvp ran {len(calls)} times in the checkpointed step")
 assert len(calls) == 2 and kept < bare
-check_grads(
-    "checkpoint around jvp", field, z, by_differences(field, z, v, target), 1e-7
-)
+differences = by_differences(field, z, v, target)
+check_grads("checkpoint around jvp", field, z, differences, 1e-7)
+
+
+def per_block(
+    x, dx
+):  # each block's jvp under its own checkpoint: value, tangent together
+    for block in field:
+        pair = lambda a, da, b=block: jvp(b, (a,), (da,))  # noqa: E731
+        x, dx = checkpoint(pair, x, dx, use_reentrant=False)
+    return x, dx
+
+
+field.zero_grad()
+z.grad = None
+by_blocks = pack_count(lambda: backward_through(lambda: per_block(z, v)))
+print(f"  {by_blocks} tensors kept with a checkpoint per block")
+assert by_blocks < bare
+check_grads("checkpoint per block", field, z, differences, 1e-7)
 
 # %%
 # You are attempting to call Tensor.requires_grad_() ... inside of a function being transformed
@@ -384,16 +390,13 @@ check_grads(
 # A ``RuntimeError`` from :func:`~torch.func.stack_module_state` called inside the function
 # given to ``jvp``, as in an ensemble of output heads run by ``vmap(functional_call)``
 # (pytorch#182842): it stacks each parameter, then calls ``.detach().requires_grad_()`` on the
-# stack (read in ``torch/_functorch/functional_call.py``), which a transform refuses. The fix:
-# stack once, outside, and keep the stacks as the parameters you train (the members' own
-# parameters are cut off by that ``detach()``, so they get no gradients either way). The
-# reference: the loss summed over a loop of the members, each checked with the differences.
-heads = [
-    nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2)).to(f64) for _ in range(3)
-]
-skeleton = copy.deepcopy(heads[0]).to(
-    "meta"
-)  # the shape of a head, without its weights
+# stack (read in ``torch/_functorch/functional_call.py``), which a transform refuses. Fixes:
+# stack once, outside, and train the stacks (the members' own parameters are cut off by that
+# ``detach()``); or, to train the members' own parameters, ``torch.stack`` them inside the
+# function (``stacked_by_hand``). Reference: each member alone, checked with the differences.
+head_of = lambda: nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2))  # noqa: E731
+heads = [head_of().to(f64) for _ in range(3)]
+skeleton = copy.deepcopy(heads[0]).to("meta")  # a head's shape, without its weights
 
 
 def ensemble(params, buffers, x):  # (3, 32, 2): each head on the same batch
@@ -405,20 +408,32 @@ def stacked_inside(x):
     return ensemble(*stack_module_state(heads), x)
 
 
-refused(
-    RuntimeError,
-    "call Tensor.requires_grad_()",
-    partial(jvp, stacked_inside, (z.detach(),), (v,)),
-    "stacked inside",
-)
+refused(RuntimeError, "call Tensor.requires_grad_()",
+        partial(jvp, stacked_inside, (z.detach(),), (v,)), "stacked inside")  # fmt: skip
 stacks, buffers = stack_module_state(heads)  # leaves that require grad: train these
 u, du = jvp(partial(ensemble, stacks, buffers), (z.detach(),), (v,))
 (u + du - target).square().mean(dim=(1, 2)).sum().backward()
-for i, head in enumerate(heads):
-    want, _ = by_differences(head, z, v, target)
+wants = [by_differences(head, z, v, target)[0] for head in heads]
+for i, want in enumerate(wants):
     for (name, stack), member_grad in zip(stacks.items(), want, strict=True):
         near(f"head {i}, {name}", stack.grad[i], member_grad, 1e-9)
 assert all(p.grad is None for head in heads for p in head.parameters())
+
+
+def stacked_by_hand(
+    x,
+):  # the members' own parameters, stacked inside: they get gradients
+    own = {
+        k: torch.stack([dict(h.named_parameters())[k] for h in heads]) for k in stacks
+    }
+    return ensemble(own, buffers, x)
+
+
+u, du = jvp(stacked_by_hand, (z.detach(),), (v,))
+(u + du - target).square().mean(dim=(1, 2)).sum().backward()
+for head, want in zip(heads, wants, strict=True):
+    for (name, p), member_grad in zip(head.named_parameters(), want, strict=True):
+        near(f"stacked by hand, {name}", p.grad, member_grad, 1e-9)
 
 # %%
 # What to remember
