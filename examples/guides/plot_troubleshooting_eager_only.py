@@ -11,6 +11,8 @@ Then a table of what a function may ask of its tensor under ``vmap``, ``grad`` a
 Part 1: :doc:`plot_troubleshooting`; hooks under transforms: :doc:`plot_extending_torch_func`.
 """
 
+from functools import partial
+
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
@@ -106,6 +108,9 @@ raises(RuntimeError, "accessing `data` under vmap", lambda: through_data(scales,
 by_detach = vmap(lambda s, x: x * s.detach()[:, None], in_dims=(0, None))(scales, x[0])
 close("detach() under vmap, against a loop", by_detach,
       torch.stack([x[0] * s[:, None] for s in scales]), 0.0)  # fmt: skip
+cut = lambda s, x: (x * s.detach()[:, None]).sum() + s.sum()  # noqa: E731
+through_cut = vmap(grad(cut), in_dims=(0, None))(scales, x[0])  # only s.sum() reaches s
+close("detach() cuts the gradient, as .data", through_cut, torch.ones_like(scales), 0.0)
 setter = vmap(lambda t: setattr(t, "data", t * 2) or t)
 raises(RuntimeError, "mutating directly with `.data`", lambda: setter(x))
 
@@ -118,7 +123,9 @@ raises(RuntimeError, "mutating directly with `.data`", lambda: setter(x))
 # on the torch backend raised it from a 3-D convolution (keras-team/keras#23587). ``grad`` and
 # ``jvp`` run the same calls (asserted below); a layout changes where values sit, never which.
 # The fix: convert the whole batch outside ``vmap``, where the call is allowed, and keep layout
-# calls out of the mapped function. Checked against the convolution of the whole batch, eager.
+# calls out of the mapped function; checked against the convolution of the whole batch, eager.
+# Inside a library you cannot edit, the thread's own report is the workaround: the Keras release
+# before the change (3.13.2 there) ran.
 conv = nn.Conv3d(3, 2, 2).to(**wide)
 volumes = torch.randn(4, 3, 5, 6, 7, **wide)  # 4 samples, 3 channels, 5 x 6 x 7
 to_channels_last = lambda v: v.contiguous(memory_format=torch.channels_last)  # noqa: E731
@@ -144,12 +151,15 @@ for name, transform in [("grad", lambda f, v: grad(lambda u: f(u).sum())(v)),
 # mat2 must be a matrix, got 1-D tensor
 # -------------------------------------
 # A ``RuntimeError`` from ``F.linear(x, w, b)`` with a 1-D weight ``w`` (one output, no output
-# axis), as pytorch#188891 reports: eager accepts a 1-D or 3-D ``x`` but refuses a 2-D one, and
-# under ``grad`` and ``jvp`` the 3-D call fails too (``vmap`` fails with "Shape mismatch: Got
-# incorrect dims for mm"). Why, from a log of the operators that reached the kernels (a
-# ``TorchDispatchMode``): eager sends a 3-D input through ``view`` and ``mv``, a matrix times a
-# vector, and a 2-D input through ``addmm``, which wants a matrix and raises the message. Under
-# ``grad``, the 3-D call runs ``view`` then ``addmm``: the 2-D path, so the same error.
+# axis) and a bias, as pytorch#188891 reports: eager accepts a 1-D or 3-D ``x`` but refuses a 2-D
+# one, and under ``grad`` and ``jvp`` the 3-D call fails too; ``vmap`` over the sequences hands
+# it 2-D samples ("Shape mismatch: Got incorrect dims for mm"). Why: under a transform, functorch
+# runs its own ``linear``, ``linear_hack`` (read in functorch's ``PyTorchOperatorHacks.cpp``),
+# which sends a 2-D input with a bias, and a contiguous 3-D one viewed as 2-D, to ``addmm``, a
+# matrix product that wants a 2-D weight. Eager's ``linear`` uses
+# ``addmm`` for a 2-D input only. A log of the operators that reached the kernels (a
+# ``TorchDispatchMode``) shows it: eager, 3-D: ``view`` and ``mv``; 2-D: ``addmm``; under ``grad``,
+# 3-D: ``view`` then ``addmm``. Without a bias, neither takes ``addmm``, and the call runs.
 class Operators(TorchDispatchMode):  # records each operator that reaches a kernel
     def __torch_dispatch__(self, kernel, types, args=(), kwargs=None):
         self.seen.append(kernel.overloadpacket.__name__)
@@ -181,24 +191,30 @@ raises(RuntimeError, "mat2 must be a matrix",
        lambda: jvp(lambda t: F.linear(t, w, b), (tokens,), (tokens,)))  # fmt: skip
 raises(RuntimeError, "Shape mismatch: Got incorrect dims for mm",
        lambda: vmap(lambda t: F.linear(t, w, b))(tokens))  # fmt: skip
+no_bias = grad(lambda w: F.linear(tokens, w).sum())(w)  # runs: no bias, no addmm
+close("no bias, grad", no_bias, tokens.sum((0, 1)), 1e-15)
 
 # %%
-# The fix: write the product out, ``x @ w + b``; ``matmul`` takes a 1-D right operand at any
-# rank of ``x``, in eager and under the transforms. (Or keep the weight 2-D, ``(1, features)``,
-# and drop the output axis.) Checked in float64 against the closed forms: the gradient of
-# ``sum(x @ w + b)`` in ``w`` is the sum of the tokens; the jvp in ``x`` along ``v`` is
-# ``v @ w``; per sequence under ``vmap``, the loop of eager calls.
-out_product = lambda w, t: t @ w + b  # noqa: E731
-close("grad of sum(x @ w + b)", grad(lambda w: out_product(w, tokens).sum())(w),
-      tokens.sum((0, 1)), 1e-15)  # fmt: skip
+# The fixes: add the bias after, ``F.linear(x, w) + b``, or write the product out,
+# ``x @ w + b`` (``matmul`` takes a 1-D right operand at any rank), or keep the weight 2-D,
+# ``(1, features)``, and drop the output axis. Checked in float64: values against the sum
+# ``(x * w).sum(-1) + b``; the gradient in ``w`` of their sum, the sum of the tokens; the jvp in
+# ``x`` along ``v``, ``v @ w``; under ``vmap`` over the sequences, a loop of eager calls.
+by_sum = (tokens * w).sum(-1) + b  # no matrix product: the reference values
+FIXES = {
+    "F.linear(x, w) + b": lambda w, t: F.linear(t, w) + b,
+    "x @ w + b": lambda w, t: t @ w + b,
+    "2-D weight": lambda w, t: F.linear(t, w[None], b)[..., 0],
+}
 along = torch.randn_like(tokens)
-tangent = jvp(lambda t: out_product(w, t), (tokens,), (along,))[1]
-close("jvp of x @ w + b", tangent, along @ w, 1e-15)
-close("vmap of x @ w + b", vmap(lambda t: out_product(w, t))(tokens),
-      torch.stack([F.linear(t[None], w, b)[0] for t in tokens]), 1e-15)  # fmt: skip
-as_matrix = lambda w, t: F.linear(t, w[None], b)[..., 0]  # noqa: E731
-close("2-D weight, grad", grad(lambda w: as_matrix(w, tokens).sum())(w),
-      tokens.sum((0, 1)), 1e-15)  # fmt: skip
+for name, fixed in FIXES.items():
+    in_w, in_x = partial(fixed, t=tokens), partial(fixed, w)  # functions of w, of x
+    close(f"{name}, values", fixed(w, tokens), by_sum, 1e-15)
+    summed = grad(lambda w, f=in_w: f(w).sum())(w)
+    close(f"{name}, grad", summed, tokens.sum((0, 1)), 1e-15)
+    close(f"{name}, jvp", jvp(in_x, (tokens,), (along,))[1], along @ w, 1e-15)
+    close(f"{name}, vmap", vmap(in_x)(tokens), torch.stack([in_x(t) for t in tokens]),
+          1e-15)  # fmt: skip
 
 # %%
 # What a function may ask of its tensor, under each transform
@@ -206,8 +222,9 @@ close("2-D weight, grad", grad(lambda w: as_matrix(w, tokens).sum())(w),
 # Each question asked of the input inside ``vmap``, ``grad`` and ``jvp`` (on the CPU, whatever
 # this page's device: ``numpy`` needs it). "runs" or the error's first words; the ``vmap``
 # column is asserted. Under ``vmap`` sizes and strides are one sample's. Each transform hands the
-# function a wrapper tensor, so storage, data pointers, NumPy and ``requires_grad_`` are refused
-# under all three; only ``vmap`` refuses ``.data`` and memory-format questions.
+# function a wrapper tensor, with no storage: data pointers and NumPy are refused under all three.
+# ``requires_grad_`` is refused inside any transform, even on a tensor made there (part 12). Only
+# ``vmap`` refuses ``.data`` and memory-format questions.
 QUESTIONS = {
     "t.shape, t.stride()": lambda t: (t.shape, t.stride()),
     "isinstance(t, Tensor)": lambda t: isinstance(t, torch.Tensor),
@@ -265,7 +282,8 @@ plt.show()
 # - Memory formats are a layout, not values: convert the batch outside ``vmap`` and keep
 #   ``contiguous(memory_format=...)`` and ``is_contiguous(memory_format=...)`` out of the mapped
 #   function.
-# - ``F.linear`` with a 1-D weight runs in eager at some ranks only and fails under ``grad``,
-#   ``jvp`` and ``vmap``: write ``x @ w + b``, or keep the weight 2-D.
+# - ``F.linear`` with a 1-D weight and a bias runs in eager at some ranks only and fails under
+#   ``grad``, ``jvp`` and ``vmap``: add the bias after (``F.linear(x, w) + b``), write
+#   ``x @ w + b``, or keep the weight 2-D.
 # - Inside any transform, storage, data pointers and NumPy are refused; under ``vmap``, sizes
 #   and strides are one sample's.
