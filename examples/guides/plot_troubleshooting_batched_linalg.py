@@ -73,6 +73,10 @@ def nll(x):  # Student-t negative log-likelihood of x, location 0, scale matrix 
     return 0.5 * (nu + dim) * torch.log1p(q / nu)
 
 
+def nll_with(x, solved):  # the same loss, given S^-1 x however it was computed
+    return 0.5 * (nu + dim) * torch.log1p(x @ solved / nu)
+
+
 u = xs @ S_inv  # S_inv is symmetric
 q = (xs * u).sum(1)
 c = ((nu + dim) / (nu + q))[:, None, None]
@@ -110,8 +114,8 @@ if on_cpu:
 # nor is ``jacfwd(jacrev)``, which ``hessian`` is. (2) For an SPD S, its Cholesky factor, once,
 # and ``torch.cholesky_solve``. (3) For any invertible S: its LU factors, once, and
 # ``torch.linalg.lu_solve`` in the loss; these factors reach the faulty kernel unbatched (recorded
-# below). (4) One sample at a time. With a matrix per sample that ``vmap`` batches, (1) and (3)
-# probably meet the bug too: use (2) or (4), and check with ``batched_vs_loop`` (below).
+# below). (4) One sample at a time. With a matrix per sample that ``vmap`` batches (checked after
+# the four), (1) and (2) still hold, and (3) does not: its factors then arrive batched.
 by_reverse = holds(
     "(1) vmap(jacrev(jacrev(nll)))", vmap(jacrev(jacrev(nll)))(xs), exact, 1e-14
 )
@@ -144,15 +148,36 @@ in_eager = torch.stack([eager_hessian(nll, x) for x in xs])
 holds("(4) eager autograd, one at a time", in_eager, exact, 1e-14)
 shifted = vmap(jacrev(jacrev(nll)))(xs.roll(1, 0))  # rows misaligned: the check sees it
 assert min(per_row(shifted, exact)) > 1e-3
+own = [spd([0.5, 1.0, 2.0, 4.0]) for _ in xs]  # a matrix per sample, and its inverse
+Ss, Ss_inv = (torch.stack(pair) for pair in zip(*own))
+u_own = torch.einsum("bij,bj->bi", Ss_inv, xs)
+c_own = ((nu + dim) / (nu + (xs * u_own).sum(1)))[:, None, None]
+q_own = (nu + (xs * u_own).sum(1))[:, None, None]
+exact_own = c_own * Ss_inv - 2 * c_own / q_own * u_own[:, :, None] * u_own[:, None, :]
+nll_own = lambda x, S: nll_with(x, torch.linalg.solve(S, x))  # noqa: E731
+chol_own = lambda x, L: nll_with(x, torch.cholesky_solve(x[:, None], L)[:, 0])  # noqa: E731
+lu_own = lambda x, LU, p: nll_with(x, torch.linalg.lu_solve(LU, p, x[:, None])[:, 0])  # noqa
+holds("per-sample S, (1)", vmap(jacrev(jacrev(nll_own)))(xs, Ss), exact_own, 2e-14)
+holds("per-sample S, (2)", vmap(hessian(chol_own))(xs, torch.linalg.cholesky(Ss)),
+      exact_own, 2e-14)  # fmt: skip
+lu_rows = per_row(vmap(hessian(lu_own))(xs, *torch.linalg.lu_factor(Ss)), exact_own)
+print(f"  per-sample S, (3) lu_solve, row errors: {shown(lu_rows)}")
+assert not on_cpu or max(lu_rows) > 1e-3
 
 # %%
 # Each batch row's error against the closed form: the recipe and reverse over forward (wrong
-# rows on the CPU), fix (1) and fix (2) (grey). Exact rows are drawn at 1e-18; the dashed line
-# is the fixes' bound.
+# rows on the CPU), fix (1) and fix (2) (grey), which lie on top of each other at about 1e-15.
+# An exact row would be drawn at 1e-18; the dashed line is the fixes' bound.
 METHOD_COLORS = {"hessian": "#56B4E9", "reverse-over-forward": "#BBCC33",
                  "reverse-over-reverse": "#997700"}  # fmt: skip
+LABELS = {
+    "hessian": "the recipe, vmap(hessian)",
+    "reverse-over-forward": "vmap(jacrev(jacfwd))",
+    "reverse-over-reverse": "fix (1), vmap(jacrev(jacrev))",
+    "cholesky": "fix (2), Cholesky",
+}
 drawn = {"hessian": errors, "reverse-over-forward": reverse_over_forward,
-         "reverse-over-reverse": by_reverse, "hessian, Cholesky": by_cholesky}  # fmt: skip
+         "reverse-over-reverse": by_reverse, "cholesky": by_cholesky}  # fmt: skip
 fig, ax = plt.subplots(figsize=(7.2, 3.8), layout="constrained")
 for (route, rows), marker in zip(drawn.items(), "os^v", strict=True):
     floored = [max(e, 1e-18) for e in rows]
@@ -160,7 +185,7 @@ for (route, rows), marker in zip(drawn.items(), "os^v", strict=True):
         floored,
         marker + "-",
         color=METHOD_COLORS.get(route, "0.5"),
-        label=f"vmap, {route}",
+        label=LABELS[route],
     )
 ax.axhline(1e-14, color="black", linestyle="--", linewidth=1)
 ax.set(yscale="log", xlabel="batch row", ylabel="row error / largest true entry",
@@ -343,16 +368,18 @@ assert torch.equal(again, unsqueezed)  # torch's own kernel is back, wrong as be
 # ``vmap`` and a plain call of ``linalg.solve`` differed in rounding through a layout-dependent
 # path (PR #151896). On CUDA, another ``lu_solve`` kernel: one run of this page on an NVIDIA H100
 # with torch 2.11.0+cu130 gave every row of the recipe within 2e-15 and every cell of the survey
-# "right"; on that machine's CPU, torch 2.11 gave the same wrong rows as 2.13 here. A GPU run
-# prints the rows; only the CPU's are asserted.
+# "right"; run again there with the GPU hidden, torch 2.11 on the CPU got rows 1, 2, 3 and 5
+# wrong, as 2.13 does here. A GPU run prints the rows; only the CPU's are asserted.
 
 # %%
 # (No error) your own function: compare vmap with a loop, row by row
 # -------------------------------------------------------------------
 # No message will tell you, so check once per function and device: the same transform, batched
-# and in a Python loop, row by row. Any row beyond rounding is a batching bug (the loop has no
-# ``vmap`` to go wrong). Here it flags the recipe's rows 1, 2, 3 and 5, the ones the closed form
-# found wrong, and nothing in the Cholesky version.
+# and in a Python loop, row by row. Any row beyond rounding is a batching bug. It cannot see a
+# transform wrong for every sample (the loop's calls run the same formulas: part 10's
+# ``jacfwd(jacfwd(det))`` is wrong in both), so check one sample against a closed form or finite
+# differences too. Here it flags the recipe's rows 1, 2, 3 and 5, the ones the closed form found
+# wrong, and nothing in the Cholesky version.
 
 
 def batched_vs_loop(transformed, *batches, bound=1e-10):
@@ -377,7 +404,7 @@ assert batched_vs_loop(hessian(nll_cholesky), xs) == []
 #   all), even with a constant matrix. Other devices: run ``batched_vs_loop`` there.
 # - Fixes for a shared matrix, checked: ``vmap(jacrev(jacrev(f)))``; ``cholesky`` and
 #   ``cholesky_solve``; ``lu_factor`` once and ``lu_solve``; one sample at a time. A matrix per
-#   sample: Cholesky, or a loop.
+#   sample: the first two still hold, ``lu_solve`` does not.
 # - Cause: the CPU ``lu_solve`` kernel reads an LU with an inserted size-1 batch dimension
 #   (``LU[:, None]``, as a ``vmap`` nested under the outer one makes) at the wrong offsets.
 # - A batched transform with no error can still be wrong: compare it with a loop, row by row.
