@@ -73,10 +73,6 @@ def nll(x):  # Student-t negative log-likelihood of x, location 0, scale matrix 
     return 0.5 * (nu + dim) * torch.log1p(q / nu)
 
 
-def nll_with(x, solved):  # the same loss, given S^-1 x however it was computed
-    return 0.5 * (nu + dim) * torch.log1p(x @ solved / nu)
-
-
 u = xs @ S_inv  # S_inv is symmetric
 q = (xs * u).sum(1)
 c = ((nu + dim) / (nu + q))[:, None, None]
@@ -148,6 +144,12 @@ in_eager = torch.stack([eager_hessian(nll, x) for x in xs])
 holds("(4) eager autograd, one at a time", in_eager, exact, 1e-14)
 shifted = vmap(jacrev(jacrev(nll)))(xs.roll(1, 0))  # rows misaligned: the check sees it
 assert min(per_row(shifted, exact)) > 1e-3
+
+
+def nll_with(x, solved):  # the same loss, given S^-1 x however it was computed
+    return 0.5 * (nu + dim) * torch.log1p(x @ solved / nu)
+
+
 own = [spd([0.5, 1.0, 2.0, 4.0]) for _ in xs]  # a matrix per sample, and its inverse
 Ss, Ss_inv = (torch.stack(pair) for pair in zip(*own))
 u_own = torch.einsum("bij,bj->bi", Ss_inv, xs)
