@@ -443,8 +443,8 @@ for head, want in zip(heads, wants, strict=True):
 # - Give each tangent its primal's dtype. In bfloat16 all of the model, primals and tangents in
 #   bfloat16 ran, and so did float32 ones under ``torch.autocast`` with ``backward()`` after it.
 # - Do not checkpoint inside the function you jvp: ``backward()`` fails (non-reentrant) or the jvp
-#   does (reentrant). Checkpointing around the whole ``jvp`` runs, probably with no memory saved.
+#   does (reentrant). Checkpoint around the whole ``jvp``, or each block's jvp (``per_block``).
 # - On torch 2.13, backward through ``LayerNorm``'s tangent gave wrong gradients here; a layer
 #   norm in plain tensor operations gave the right ones.
-# - Build stacked ensemble parameters (``stack_module_state``) outside the transformed function,
-#   and train the stacks.
+# - Build stacked ensemble parameters (``stack_module_state``) outside the transformed function
+#   and train the stacks, or ``torch.stack`` the members' own parameters inside it.
