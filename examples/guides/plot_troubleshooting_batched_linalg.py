@@ -105,13 +105,14 @@ if on_cpu:
 
 # %%
 # The fixes, each against the closed form on every device, for one S shared by the batch. (1)
-# Reverse over reverse: ``vmap(jacrev(jacrev(nll)))``. Here forward mode is what nests a second
-# ``vmap`` under the outer one, so reverse over forward, ``jacrev(jacfwd)``, is no fix (printed),
-# nor is ``jacfwd(jacrev)``, which ``hessian`` is. (2) For an SPD S, its Cholesky factor, once,
-# and ``torch.cholesky_solve``. (3) For any invertible S: its LU factors, once, and
+# Reverse over reverse through ``linalg.solve``: ``vmap(jacrev(jacrev(nll)))``. Reverse over
+# forward, ``jacrev(jacfwd)``, is no fix (printed), nor is ``jacfwd(jacrev)``, which ``hessian``
+# is. (We did not trace why only these orders go wrong.) (2) For an SPD S, its Cholesky factor,
+# once, and ``torch.cholesky_solve``. (3) For any invertible S: its LU factors, once, and
 # ``torch.linalg.lu_solve`` in the loss; these factors reach the faulty kernel unbatched (recorded
 # below). (4) One sample at a time. With a matrix per sample that ``vmap`` batches (checked after
-# the four), (1) and (2) still hold, and (3) does not: its factors then arrive batched.
+# the four), (1) and (2) still hold; (3) does not, even at first order (``vmap(jacrev)``), unless
+# the loss passes ``LU.contiguous()``: the copy the kernel reads right (section "why").
 by_reverse = holds(
     "(1) vmap(jacrev(jacrev(nll)))", vmap(jacrev(jacrev(nll)))(xs), exact, 1e-14
 )
@@ -164,11 +165,17 @@ holds("per-sample S, (2)", vmap(hessian(chol_own))(xs, torch.linalg.cholesky(Ss)
       exact_own, 2e-14)  # fmt: skip
 lu_rows = per_row(vmap(hessian(lu_own))(xs, *torch.linalg.lu_factor(Ss)), exact_own)
 print(f"  per-sample S, (3) lu_solve, row errors: {shown(lu_rows)}")
-assert not on_cpu or max(lu_rows) > 1e-3
+first = vmap(jacrev(lambda x, LU, p: torch.linalg.lu_solve(LU, p, x[:, None])[:, 0]))
+first_rows = per_row(first(xs, *torch.linalg.lu_factor(Ss)), Ss_inv)
+print(f"  per-sample S, vmap(jacrev(lu_solve)), row errors: {shown(first_rows)}")
+assert not on_cpu or (max(lu_rows) > 1e-3 and max(first_rows) > 1e-3)
+lu_copy = lambda x, LU, p: lu_own(x, LU.contiguous(), p)  # noqa: E731
+holds("per-sample S, (3) with LU.contiguous()",
+      vmap(hessian(lu_copy))(xs, *torch.linalg.lu_factor(Ss)), exact_own, 2e-14)  # fmt: skip
 
 # %%
 # Each batch row's error against the closed form: the recipe and reverse over forward (wrong
-# rows on the CPU), fix (1) and fix (2) (grey), which lie on top of each other at about 1e-15.
+# rows on the CPU), fix (1) (brown) and fix (2) (grey), on top of each other at about 1e-15.
 # An exact row would be drawn at 1e-18; the dashed line is the fixes' bound.
 METHOD_COLORS = {"hessian": "#56B4E9", "reverse-over-forward": "#BBCC33",
                  "reverse-over-reverse": "#997700"}  # fmt: skip
@@ -280,7 +287,8 @@ for name, f, want, bounds in [("det", torch.linalg.det, det_exact, (5e-15, 2e-14
 # ``jacfwd(jacrev)``) through ``solve``, ``det`` and ``slogdet``. ``vmap(jvp)`` at one level is
 # right, and so are both reverse-mode columns. ``inv``, the Cholesky and triangular solvers,
 # ``lu_factor`` and ``lu_solve`` called inside the function, and ``lstsq`` are right under all
-# five.
+# five, here, where only the matrix is differentiated (``b`` is a constant); ``lu_solve`` with a
+# differentiated right-hand side and batched factors is wrong even under ``vmap(jacrev)`` (above).
 
 # %%
 # (No error) why: torch.linalg.lu_solve reads an unsqueezed LU at the wrong offset
@@ -404,9 +412,9 @@ assert batched_vs_loop(hessian(nll_cholesky), xs) == []
 # - ``vmap(hessian(f))`` and ``vmap(jacfwd(f))`` through ``torch.linalg.solve``, ``det`` or
 #   ``slogdet`` are silently wrong on the CPU in torch 2.13, in batch rows after the first (not
 #   all), even with a constant matrix. Other devices: run ``batched_vs_loop`` there.
-# - Fixes for a shared matrix, checked: ``vmap(jacrev(jacrev(f)))``; ``cholesky`` and
-#   ``cholesky_solve``; ``lu_factor`` once and ``lu_solve``; one sample at a time. A matrix per
-#   sample: the first two still hold, ``lu_solve`` does not.
+# - Fixes for a shared matrix, checked: ``vmap(jacrev(jacrev(f)))`` through ``solve``;
+#   ``cholesky`` and ``cholesky_solve``; ``lu_factor`` once and ``lu_solve``; one sample at a
+#   time. A matrix per sample: the first two hold; ``lu_solve`` needs ``LU.contiguous()``.
 # - Cause: the CPU ``lu_solve`` kernel reads an LU with an inserted size-1 batch dimension
 #   (``LU[:, None]``, as a ``vmap`` nested under the outer one makes) at the wrong offsets.
 # - A batched transform with no error can still be wrong: compare it with a loop, row by row.

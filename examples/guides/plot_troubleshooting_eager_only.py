@@ -89,6 +89,8 @@ raises(RuntimeError, "accessing `data` under vmap transform is not allowed",
 # The fix in the tool: ask ``isinstance(t, torch.Tensor)``, not for ``.data``. The sizes it then
 # records for the layers inside the ``vmap`` are one channel's, (5, 3), with no channel axis
 # (asserted): a summary of a mapped layer describes one call of the function ``vmap`` maps.
+# torchinfo itself still asks ``hasattr``; a summary that runs no forward pass (no input given)
+# calls no hook (torchinfo was not run here).
 rows = summary(layer, x, lambda t: isinstance(t, torch.Tensor))
 print("  recorded:", rows)
 assert rows[0] == ("inner.0", (5, 3)) and rows[-1] == ("inner.2", (5, 8)), rows
@@ -119,13 +121,16 @@ raises(RuntimeError, "mutating directly with `.data`", lambda: setter(x))
 # -------------------------------------------------------------------------------------------------
 # A ``RuntimeError`` when code under ``vmap`` asks about or converts to a memory format other
 # than the default: ``is_contiguous(memory_format=...)``, ``contiguous(memory_format=...)`` with
-# ``channels_last``, ``channels_last_3d``, even ``preserve_format``. Keras 3's ``vectorized_map``
-# on the torch backend raised it from a 3-D convolution (keras-team/keras#23587). ``grad`` and
-# ``jvp`` run the same calls (asserted below); a layout changes where values sit, never which.
+# ``channels_last``, ``channels_last_3d``, even ``preserve_format``. Other ``memory_format=``
+# arguments raise other messages: ``.to`` and ``empty_like``, "required rank 4 tensor to use
+# channels_last format" for a 4-D sample; ``clone``, "NYI: Tensor.clone(memory_format)". Keras
+# 3's ``vectorized_map`` on the torch backend raised the first from a 3-D convolution
+# (keras-team/keras#23587). ``grad`` and ``jvp`` run the same calls (asserted below); a layout
+# changes where values sit, never which.
 # The fix: convert the whole batch outside ``vmap``, where the call is allowed, and keep layout
 # calls out of the mapped function; checked against the convolution of the whole batch, eager.
-# Inside a library you cannot edit, the thread's own report is the workaround: the Keras release
-# before the change (3.13.2 there) ran.
+# Inside a library you cannot edit: the reporter's Keras 3.13.2 ran; a fix was proposed in
+# keras-team/keras#23588 (open when read).
 conv = nn.Conv3d(3, 2, 2).to(**wide)
 volumes = torch.randn(4, 3, 5, 6, 7, **wide)  # 4 samples, 3 channels, 5 x 6 x 7
 to_channels_last = lambda v: v.contiguous(memory_format=torch.channels_last)  # noqa: E731
@@ -141,6 +146,16 @@ outside = volumes.contiguous(
 mapped = vmap(lambda v: conv(v[None])[0])(outside)
 close("channels_last_3d batch, mapped conv", mapped, conv(volumes), 1e-15)
 assert outside.is_contiguous(memory_format=torch.channels_last_3d)
+as_cl = dict(memory_format=torch.channels_last)
+raises(
+    RuntimeError,
+    "required rank 4 tensor",
+    lambda: vmap(lambda v: v.to(**as_cl))(volumes),
+)
+raises(RuntimeError, "required rank 4 tensor",
+       lambda: vmap(lambda v: torch.empty_like(v, **as_cl))(volumes))  # fmt: skip
+raises(RuntimeError, "NYI: Tensor.clone(memory_format)",
+       lambda: vmap(lambda v: v.clone(**as_cl))(volumes))  # fmt: skip
 for name, transform in [("grad", lambda f, v: grad(lambda u: f(u).sum())(v)),
                         ("jvp", lambda f, v: jvp(f, (v,), (v,))[1])]:  # fmt: skip
     transform(to_channels_last, volumes[0])  # runs: only vmap refuses
@@ -151,8 +166,9 @@ for name, transform in [("grad", lambda f, v: grad(lambda u: f(u).sum())(v)),
 # mat2 must be a matrix, got 1-D tensor
 # -------------------------------------
 # A ``RuntimeError`` from ``F.linear(x, w, b)`` with a 1-D weight ``w`` (one output, no output
-# axis) and a bias, as pytorch#188891 reports: eager accepts a 1-D or 3-D ``x`` but refuses a 2-D
-# one, and under ``grad`` and ``jvp`` the 3-D call fails too; ``vmap`` over the sequences hands
+# axis) and a bias, as pytorch#188891 reports: with a 0-d bias eager accepts a 1-D or 3-D ``x``
+# but refuses a 2-D one (with a ``(1,)`` bias, as ``nn.Linear(3, 1)`` has, eager refuses every
+# rank), and under ``grad`` and ``jvp`` the 3-D call fails too; ``vmap`` over the sequences hands
 # it 2-D samples ("Shape mismatch: Got incorrect dims for mm"). Why: under a transform, functorch
 # runs its own ``linear``, ``linear_hack`` (read in functorch's ``PyTorchOperatorHacks.cpp``),
 # which sends a 2-D input with a bias, and a contiguous 3-D one viewed as 2-D, to ``addmm``, a
@@ -177,6 +193,7 @@ with eager_3d:
     F.linear(tokens, w, b)  # runs
 with eager_2d:
     raises(RuntimeError, "mat2 must be a matrix", lambda: F.linear(tokens[0], w, b))
+raises(RuntimeError, "mat2 must be a matrix", lambda: F.linear(tokens, w, b[None]))
 readout = lambda w: F.linear(tokens, w, b).sum()  # noqa: E731
 with under_grad:
     raises(
@@ -282,8 +299,8 @@ plt.show()
 # - Memory formats are a layout, not values: convert the batch outside ``vmap`` and keep
 #   ``contiguous(memory_format=...)`` and ``is_contiguous(memory_format=...)`` out of the mapped
 #   function.
-# - ``F.linear`` with a 1-D weight and a bias runs in eager at some ranks only and fails under
-#   ``grad``, ``jvp`` and ``vmap``: add the bias after (``F.linear(x, w) + b``), write
-#   ``x @ w + b``, or keep the weight 2-D.
+# - ``F.linear`` with a 1-D weight and a bias fails under ``grad`` and ``jvp`` for a 2-D or
+#   contiguous 3-D input, and in eager at some ranks: add the bias after (``F.linear(x, w) + b``),
+#   write ``x @ w + b``, or keep the weight 2-D.
 # - Inside any transform, storage, data pointers and NumPy are refused; under ``vmap``, sizes
 #   and strides are one sample's.

@@ -296,9 +296,10 @@ assert torch.equal(by_arange[:, -1], stop)
 # %%
 # Your release: which of the four does it still have?
 # ----------------------------------------------------
-# ``still_there`` runs the four reports, small, against their closed forms, and prints what
-# each does on the torch it runs on: "fixed", "wrong values" or the error. Copy it, with the
-# page's imports; its default compiles with inductor, as the reporter did.
+# ``still_there`` runs the four reports, small, against their closed forms, and ``linearize``
+# under inference mode (wrong on 2.13, asserted), and prints what each does on the torch it runs
+# on: "fixed", "wrong values" or the error. Copy it, with the page's imports; its default
+# compiles with inductor, as the reporter did.
 def still_there(backend="inductor"):
     def twice(t):  # pytorch#136662's function
         y = torch.zeros_like(t)
@@ -313,12 +314,14 @@ def still_there(backend="inductor"):
     )
     ends = torch.tensor([0.0, 1.0]), torch.tensor([1.0, 3.0])
 
-    def under_inference():
+    def under_inference(transform):
         with torch.inference_mode():
-            return jvp(lambda t: t**2, (x,), (torch.ones_like(x),))[1], 2 * x
+            return transform(lambda t: t**2, x)(torch.ones_like(x)), 2 * x
 
     probes = {
-        "pytorch#177318, inference_mode": under_inference,
+        "pytorch#177318, inference_mode": lambda: under_inference(
+            lambda f, at: lambda dx: jvp(f, (at,), (dx,))[1]
+        ),
         "pytorch#136662, compile(grad) with +=": lambda: (
             torch.compile(lambda t: grad(twice)(t), backend=backend)(pts),
             want_pts,
@@ -330,6 +333,9 @@ def still_there(backend="inductor"):
         "pytorch#102208, vmap(linspace)": lambda: (
             vmap(partial(torch.linspace, steps=3))(*ends),
             torch.tensor([[0.0, 0.5, 1.0], [1.0, 2.0, 3.0]]),
+        ),
+        "pytorch#177318, linearize": lambda: under_inference(
+            lambda f, at: linearize(f, at)[1]
         ),
     }
     outcomes = {}
@@ -346,6 +352,7 @@ def still_there(backend="inductor"):
 
 print(f"torch {torch.__version__}, compiled with inductor:")
 outcomes = still_there(backend="inductor")
+assert outcomes.pop("pytorch#177318, linearize") == "wrong values", outcomes
 assert set(outcomes.values()) == {"fixed"}, outcomes
 
 # %%
@@ -362,7 +369,7 @@ finally:
 assert undone["pytorch#102208, vmap(linspace)"].startswith(
     "RuntimeError: vmap: It looks"
 ), undone
-assert list(undone.values())[:3] == ["fixed"] * 3, undone
+assert list(undone.values())[:3] == ["fixed"] * 3, undone  # linearize: as above
 
 # %%
 # Every workaround and fix against its reference

@@ -425,7 +425,7 @@ agree("autograd.Function, jacfwd", [jacfwd(with_tangent)(tokens)], [rows], 1e-15
 # Every fix against its reference
 # -------------------------------
 # Each check's error (dot) and its bound (tick); an exact result is drawn at 1e-19. Where the
-# reference is a finite difference (three Hessians), the dot is mostly that difference's error.
+# reference is a finite difference (``jacrev`` and two Hessians), the dot is mostly its error.
 names, worst_errors, error_bounds = zip(*fixes_checked)
 fig, ax = plt.subplots(figsize=(9, 5.5), layout="constrained")
 ax.plot([max(e, 1e-19) for e in worst_errors], names, "o", color="black")
