@@ -296,9 +296,9 @@ plt.show()
 # - Under ``vmap``, read ``t.detach()``, not ``t.data``; a tool's hook should test
 #   ``isinstance(t, torch.Tensor)``, not ``hasattr(t, "data")``. Inside ``vmap`` a hook sees one
 #   sample's sizes.
-# - Memory formats are a layout, not values: convert the batch outside ``vmap`` and keep
-#   ``contiguous(memory_format=...)`` and ``is_contiguous(memory_format=...)`` out of the mapped
-#   function.
+# - Memory formats are a layout, not values: convert the batch outside ``vmap`` and keep every
+#   ``memory_format=`` argument (``contiguous``, ``is_contiguous``, ``to``, ``clone``,
+#   ``empty_like``) out of the mapped function.
 # - ``F.linear`` with a 1-D weight and a bias fails under ``grad`` and ``jvp`` for a 2-D or
 #   contiguous 3-D input, and in eager at some ranks: add the bias after (``F.linear(x, w) + b``),
 #   write ``x @ w + b``, or keep the weight 2-D.
