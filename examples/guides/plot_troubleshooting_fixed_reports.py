@@ -8,8 +8,8 @@ gives them); half the gradient from ``torch.compile`` around ``grad`` with ``+=`
 of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``.
 Each section re-runs code like the reporter's against a closed form or a loop, and checks a
 workaround on 2.13 (the inference-mode ones for ``grad``, ``vjp`` and ``jvp`` also on 2.11, which
-has that bug). Then a check to run on your release. Part 1: :doc:`plot_troubleshooting`; other old threads:
-:doc:`plot_troubleshooting_escaped_tensors` ("(Older releases)").
+has that bug). Then a check to run on your release. Part 1: :doc:`plot_troubleshooting`; other
+old threads: :doc:`plot_troubleshooting_escaped_tensors` ("(Older releases)").
 """
 
 import textwrap
