@@ -5,7 +5,8 @@ Troubleshooting, part 13: reported bugs that torch 2.13 no longer has
 Four reports of wrong numbers or errors from ``torch.func`` that torch 2.13 does not reproduce:
 zeros from ``grad``, ``vjp`` and ``jvp`` under ``torch.inference_mode()`` (``linearize`` still
 gives them); half the gradient from ``torch.compile`` around ``grad`` with ``+=``; "Dimension out
-of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``.
+of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``; and
+two performance warnings (``where``, ``scatter_reduce``) that 2.13 no longer gives.
 Each section re-runs code like the reporter's against a closed form or a loop, and checks a
 workaround on 2.13 (the inference-mode ones for ``grad``, ``vjp`` and ``jvp`` also on 2.11, which
 has that bug). Then a check to run on your release. Part 1: :doc:`plot_troubleshooting`; other
@@ -56,14 +57,13 @@ def fails_with(kind, words, call):
 # ------------------------------------------------------------------------
 # pytorch#177318 (2026): under ``torch.inference_mode()``, ``jvp`` of ``x**2`` returned a tangent
 # of zeros, and ``grad`` and ``vjp`` zeros too, with no error. The thread's account: the
-# transforms turn grad mode on, but inference mode also removes autograd's dispatch keys, which
-# that does not restore. One run of this page with torch 2.11.0 (an NVIDIA H100 machine, CUDA
-# and CPU) had the bug: inference mode on inside the transformed function, wrong derivatives, and
-# ``still_there`` (below) printed "wrong values". On 2.13 the transformed function runs with
-# inference mode off (asserted, with ``torch.is_inference_mode_enabled()``), and vjp's backward,
-# which runs later, leaves it through ``_disable_inference_mode``, named in PR #177596, which says
-# it fixes the issue. Here: the three in the block, on an input made before it and on one made in
-# it (an inference tensor), against ``2 x``.
+# transforms turn grad mode on, but inference mode also removes autograd's dispatch keys. With
+# torch 2.11.0 (one run, an NVIDIA H100 machine, CUDA and CPU) the bug was there: inference mode
+# on inside, wrong derivatives, ``still_there`` printing "wrong values". On 2.13 the transformed
+# function runs with inference mode off (asserted, with ``torch.is_inference_mode_enabled()``),
+# and vjp's backward, which runs later, leaves it through ``_disable_inference_mode``, named in
+# PR #177596, which says it fixes the issue. Here: the three in the block, on an input made
+# before it and on one made in it (an inference tensor), against ``2 x``.
 square = lambda x: x**2  # noqa: E731
 square_sum = lambda x: square(x).sum()  # noqa: E731
 x = torch.tensor([1.0, -2.0, 3.0], **F64)
@@ -291,6 +291,49 @@ def spaced(a, b, steps=10):
 by_arange = vmap(spaced)(start, stop)
 gap_to("arange workaround under vmap", by_arange, looped, 2e-7)
 assert torch.equal(by_arange[:, -1], stop)
+
+
+# %%
+# There is a performance drop because we have not yet implemented the batching rule for ...
+# --------------------------------------------------------------------------------------------
+# A ``UserWarning``, not an error: ``vmap`` met an operator with no batching rule and ran it once
+# per sample instead, with the same values, only slower. Threads: ``torch.where`` with two
+# numbers (pytorch#96741, 2023) and ``scatter_reduce`` (pytorch#152141, torch 2.5.1). On 2.13
+# both batch: no warning (asserted), values equal to a loop. On a release that warns: give
+# ``where`` tensor operands, and run ``scatter_reduce`` once on the whole batch, along dim 1
+# (each checked on 2.13 against the loop). Silencing hides the warning, not the loop: the filter
+# is checked on ``torch.histc``, which still falls back on 2.13.
+signs = torch.randn(4, 5, **F64)
+slots = torch.randint(0, 3, (4, 5), device=device)
+by_numbers = lambda t: torch.where(t > 0, 1.0, -1.0)  # noqa: E731 (where.Scalar)
+by_tensors = lambda t: torch.where(t > 0, torch.ones_like(t), -torch.ones_like(t))  # noqa
+into_bins = lambda t, i: torch.zeros(3, **F64).scatter_reduce(0, i, t, reduce="sum")  # noqa
+with warnings.catch_warnings(record=True) as heard:
+    warnings.simplefilter("always", UserWarning)
+    mapped_where, mapped_scatter = (
+        vmap(by_numbers)(signs),
+        vmap(into_bins)(signs, slots),
+    )
+assert not [str(w.message) for w in heard if "performance drop" in str(w.message)]
+print("  where with numbers, scatter_reduce under vmap: no performance warning")
+loop_where = torch.stack([by_numbers(t) for t in signs])
+loop_scatter = torch.stack([into_bins(t, i) for t, i in zip(signs, slots)])
+gap_to("vmap(where with numbers)", mapped_where, loop_where, 0)
+gap_to("vmap(where with tensors)", vmap(by_tensors)(signs), loop_where, 0)
+gap_to("vmap(scatter_reduce)", mapped_scatter, loop_scatter, 1e-15)
+at_once = torch.zeros(4, 3, **F64).scatter_reduce(1, slots, signs, reduce="sum")
+gap_to("one scatter_reduce on the batch", at_once, loop_scatter, 1e-15)
+histogram = vmap(lambda t: torch.histc(t, bins=4, min=-2, max=2))
+with warnings.catch_warnings(record=True) as heard:
+    warnings.simplefilter("always", UserWarning)
+    histogram(signs)
+assert any(
+    "performance drop" in str(w.message) for w in heard
+)  # histc still falls back
+with warnings.catch_warnings(record=True) as said:
+    warnings.filterwarnings("ignore", message="There is a performance drop")
+    histogram(signs)
+assert not said, [str(w.message) for w in said]
 
 
 # %%
