@@ -5,8 +5,8 @@ Troubleshooting, part 13: reported bugs that torch 2.13 no longer has
 Four reports of wrong numbers or errors from ``torch.func`` that torch 2.13 does not reproduce:
 zeros from ``grad``, ``vjp`` and ``jvp`` under ``torch.inference_mode()`` (``linearize`` still
 gives them); half the gradient from ``torch.compile`` around ``grad`` with ``+=``; "Dimension out
-of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; and ``vmap`` over ``torch.linspace``; and
-two performance warnings (``where``, ``scatter_reduce``) that 2.13 no longer gives.
+of range" from ``jacrev`` or ``jacfwd`` at a 0-d input; ``vmap`` over ``torch.linspace``. Also two
+performance warnings (``where``, ``scatter_reduce``) that 2.13 no longer gives.
 Each section re-runs code like the reporter's against a closed form or a loop, and checks a
 workaround on 2.13 (the inference-mode ones for ``grad``, ``vjp`` and ``jvp`` also on 2.11, which
 has that bug). Then a check to run on your release. Part 1: :doc:`plot_troubleshooting`; other
@@ -297,12 +297,12 @@ assert torch.equal(by_arange[:, -1], stop)
 # There is a performance drop because we have not yet implemented the batching rule for ...
 # --------------------------------------------------------------------------------------------
 # A ``UserWarning``, not an error: ``vmap`` met an operator with no batching rule and ran it once
-# per sample instead, with the same values, only slower. Threads: ``torch.where`` with two
-# numbers (pytorch#96741, 2023) and ``scatter_reduce`` (pytorch#152141, torch 2.5.1). On 2.13
-# both batch: no warning (asserted), values equal to a loop. On a release that warns: give
-# ``where`` tensor operands, and run ``scatter_reduce`` once on the whole batch, along dim 1
-# (each checked on 2.13 against the loop). Silencing hides the warning, not the loop: the filter
-# is checked on ``torch.histc``, which still falls back on 2.13.
+# per sample instead: for the operators here, the same values, only slower. Threads:
+# ``torch.where`` with two numbers (pytorch#96741, 2023) and ``scatter_reduce`` (pytorch#152141,
+# torch 2.5.1). On 2.13 both batch: no warning (asserted), values equal to a loop. On a release
+# that warns: give ``where`` tensor operands, and run ``scatter_reduce`` once on the whole batch,
+# along dim 1 (each checked on 2.13 against the loop). Silencing hides the warning, not the loop:
+# the filter is checked on ``torch.histc``, which still falls back on 2.13.
 signs = torch.randn(4, 5, **F64)
 slots = torch.randint(0, 3, (4, 5), device=device)
 by_numbers = lambda t: torch.where(t > 0, 1.0, -1.0)  # noqa: E731 (where.Scalar)
@@ -331,6 +331,7 @@ assert any(
     "performance drop" in str(w.message) for w in heard
 )  # histc still falls back
 with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always", UserWarning)
     warnings.filterwarnings("ignore", message="There is a performance drop")
     histogram(signs)
 assert not said, [str(w.message) for w in said]
