@@ -40,7 +40,7 @@ def refused(kind, words, call, label):  # exactly kind, its message holding word
     try:
         with quiet():  # tracing, vmap's fallback
             call()
-    except Exception as err:  # noqa: BLE001 (its type is asserted below)
+    except kind as err:  # other types propagate
         said = re.sub(r"\s+", " ", str(err))
         assert type(err) is kind and words in said, f"{label}: {err!r}"
         print(f"  {label}: {kind.__name__}: {textwrap.shorten(said, 90)}")
