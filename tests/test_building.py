@@ -609,7 +609,7 @@ SECTIONS = {
     "per_sample_gradients": "Per-sample gradients and privacy",
     "jacobians_and_curvature": "Jacobians, Hessians and curvature",
     "models_as_functions": "Models as functions: ensembles, meta-learning and the NTK",
-    "science": "Derivatives for science: forces, Laplacians and PDEs",
+    "science": "Derivatives for science: forces, Laplacians, PDEs and solvers",
     "guides": "Guides",
 }
 

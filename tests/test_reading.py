@@ -70,6 +70,12 @@ SITE_PALETTE = {
     "autograd.grad": "#EE6677",
     "func.grad": "#228833",
     "func.grad_and_value": "#CCBB44",
+    "func.jvp": "#0077BB",
+    "forward_ad": "#222255",
+    "autograd.functional.jvp": "#7570B3",
+    "double-backward trick": "#A6761D",
+    "implicit": "#66A61E",
+    "unrolled": "#663333",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
