@@ -21,7 +21,9 @@ or a closed form) and names the page that teaches it; at the end, all are timed 
 # <../models_as_functions/plot_choosing_what_to_differentiate>`, :doc:`GRU and LSTM
 # <../per_sample_gradients/plot_per_sample_grads_recurrent>`, :doc:`transformers
 # <../per_sample_gradients/plot_per_sample_grads_transformer>`, :doc:`MAML
-# <../models_as_functions/plot_maml>`, :doc:`physics <../science/plot_forces_and_laplacians>`.
+# <../models_as_functions/plot_maml>`, :doc:`physics <../science/plot_forces_and_laplacians>`,
+# :doc:`a solver's answer <../science/plot_implicit_differentiation>`, :doc:`forward mode or
+# the double-backward trick <../jacobians_and_curvature/plot_jvp_forward_mode>`.
 import warnings
 from collections import OrderedDict
 
@@ -159,8 +161,7 @@ recipes["Hessian"] = lambda: hessian(input_loss)(x0)
 # %%
 # A Hessian-vector product
 # ------------------------
-# *Taught in*
-# :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_hessian_vector_products.py`.
+# *Taught in* :doc:`../jacobians_and_curvature/plot_hessian_vector_products`.
 # The Hessian of the loss with respect to the head's parameters, times a vector, without
 # forming the Hessian: ``jvp`` of ``grad``, forward over reverse. On a linear head it has a
 # closed form: with probabilities ``p`` and the logits' change ``d = V f + v_b``, the logits'
@@ -189,8 +190,7 @@ recipes["Hessian-vector product"] = lambda: hvp(head_params, direction)
 # %%
 # A Jacobian for every sample of a batch
 # --------------------------------------
-# *Taught in*
-# :ref:`sphx_glr_auto_examples_jacobians_and_curvature_plot_batch_jacobians_hessians.py`.
+# *Taught in* :doc:`../jacobians_and_curvature/plot_batch_jacobians_hessians`.
 # ``vmap(jacrev(f))``: one 10 × 16 Jacobian of the logits for each input. The reference is
 # ``torch.autograd.functional.jacobian``, one sample at a time, for all samples.
 batch_jacobians = vmap(jacrev(model))(inputs)
