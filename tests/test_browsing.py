@@ -335,6 +335,10 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
         ("querying is_contiguous inside of vmap", {"plot_troubleshooting_eager_only"}),
         ("mat2 must be a matrix", {"plot_troubleshooting_eager_only"}),
         ("hit the vmap fallback", {"plot_operators_under_vmap"}),
+        (
+            "Got in_dim=0 for an input but the input is of type",
+            {"plot_pytrees_under_transforms"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):
