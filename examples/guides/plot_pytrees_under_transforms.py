@@ -32,9 +32,9 @@ print(f"torch {torch.__version__}; device: {device}; {torch.get_num_threads()} t
 # The recipe: register the class, then transform as usual
 # --------------------------------------------------------
 # A system of charged particles: positions (N, 3) and charges (N,). Its energy sums
-# ``q_i q_j / |r_i − r_j|`` over pairs. :func:`torch.utils._pytree.register_dataclass` tells
+# ``q_i q_j / |r_i − r_j|`` over pairs. ``torch.utils._pytree.register_dataclass`` tells
 # the transforms that the class is a node whose children are its fields (the module is private
-# by name, but it is the registry that :mod:`torch.func` and :mod:`torch.export` read). After
+# by name, but it is the registry that :mod:`torch.func` and ``torch.export`` read). After
 # that, ``vmap`` maps every field over its first dimension, and ``grad`` returns a
 # ``Particles`` whose fields are the gradients with respect to each field.
 @dataclasses.dataclass
@@ -154,11 +154,11 @@ for where, (kind, start, attempt) in attempts.items():
 # ``in_dims`` per field, and a registration that allows it
 # --------------------------------------------------------
 # ``in_dims`` may be a ``Particles`` itself, one entry per field: here the positions differ per
-# system and the charges are shared. With :func:`~torch.utils._pytree.register_dataclass`, a
+# system and the charges are shared. With ``register_dataclass``, a
 # field whose value is ``None`` is kept out of the node's children (the class may have optional
 # fields), so ``Particles(positions=0, charges=None)`` has one child while the input has two, and
 # ``vmap`` refuses the mismatch. A registration with
-# :func:`~torch.utils._pytree.register_pytree_node` that always lists both fields accepts it.
+# ``torch.utils._pytree.register_pytree_node`` that always lists both fields accepts it.
 shared_charges = batch.charges[0]
 try:
     vmap(coulomb_energy, in_dims=(Particles(0, None),))(Particles(batch.positions,

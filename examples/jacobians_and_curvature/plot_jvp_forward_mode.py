@@ -4,7 +4,7 @@ Jacobian-vector products: forward mode or the double-backward trick
 
 A Jacobian-vector product ``J v`` is the derivative of ``f`` at ``x`` in the direction ``v``.
 PyTorch offers four ways to compute one. Two run forward-mode AD: :func:`torch.func.jvp` and
-the dual tensors of :mod:`torch.autograd.forward_ad`. Two run reverse mode twice, the
+the dual tensors of ``torch.autograd.forward_ad``. Two run reverse mode twice, the
 "double-backward trick": :func:`torch.autograd.functional.jvp`, and two calls to
 :func:`torch.autograd.grad`. Here you compute ``J v`` all four ways, with respect to inputs
 and to parameters, and check each against a closed form and float64 finite differences. You
@@ -76,7 +76,7 @@ assert_close(
 # %%
 # Four ways, one answer
 # ---------------------
-# The dual tensors of :mod:`torch.autograd.forward_ad` are what ``torch.func.jvp`` builds on:
+# The dual tensors of ``torch.autograd.forward_ad`` are what ``torch.func.jvp`` builds on:
 # ``make_dual`` attaches the tangent and ``unpack_dual`` reads it off the output. The
 # double-backward trick uses that ``uᵀJ`` is linear in ``u``: backpropagate with a dummy ``u``
 # that requires grad, keep that graph (``create_graph=True``), and differentiate ``(uᵀJ)·v`` with
@@ -319,7 +319,7 @@ plt.show()
 # What ran: the matrix products of each way
 # -----------------------------------------
 # Forward mode is often described as "one pass instead of two". An operator log (a
-# :class:`~torch.utils._python_dispatch.TorchDispatchMode` that records each ATen operator, and
+# ``torch.utils._python_dispatch.TorchDispatchMode`` that records each ATen operator, and
 # whether any of its tensor arguments is all zeros) shows what each way ran on the linear layer.
 # Checked first on a known answer: ``batch @ weight.T`` must log one ``mm`` and nothing zero.
 PRODUCTS = ("mm", "addmm", "bmm")
@@ -426,7 +426,7 @@ print(f"grad: {len(plain_names)} operators, the fused backward among them; under
 # %%
 # What to remember
 # ----------------
-# * :func:`torch.func.jvp` and :mod:`torch.autograd.forward_ad` are forward mode;
+# * :func:`torch.func.jvp` and ``torch.autograd.forward_ad`` are forward mode;
 #   :func:`torch.autograd.functional.jvp` is the double-backward trick, two reverse passes.
 # * A custom Function needs a ``jvp`` rule for forward mode and a twice-differentiable
 #   ``backward`` for the trick; a ``@once_differentiable`` one gives zeros unless ``strict=True``.

@@ -299,7 +299,7 @@ for function, refused_by in ((StoppingForward, {"vmap(grad)"}),
 # Gradient descent (step ``1/L``, ``L`` a bound on the Hessian) needs tens of cheap steps where
 # Newton needed a few: the kind of solver where unrolling keeps most. For ``k`` steps of it,
 # both derivatives run under plain autograd, so that one tool measures what each keeps for the
-# backward: a :func:`~torch.autograd.graph.saved_tensors_hooks` pack hook adding up the bytes of
+# backward: a ``torch.autograd.graph.saved_tensors_hooks`` pack hook adding up the bytes of
 # each distinct storage saved, checked first on ``a * b`` (two) and ``a * a`` (one). Times,
 # without the hook, are medians of :class:`~torch.utils.benchmark.Timer` blocks after a warm-up.
 def gradient_by_hand(weights, log_lam, features, labels):  # stationarity, written out
