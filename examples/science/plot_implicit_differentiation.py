@@ -8,9 +8,9 @@ theorem gives the derivative from the answer alone, with one linear solve. Here 
 goes in a :class:`torch.autograd.Function` whose backward solves that system by conjugate
 gradients, and runs under :func:`~torch.func.grad`, :func:`~torch.func.vmap`,
 :func:`~torch.func.jacrev` and reverse-over-reverse second order, each checked against
-unrolled float64 autograd and finite differences. Then: what a solver must avoid to be
-transformable (``.item()``, a loop on a tensor), implicit against unrolled in accuracy, time
-and memory, and a penalty tuned for eight tasks at once.
+unrolled float64 autograd (and the first and second derivatives against finite differences).
+Then: what a solver must avoid to be transformable (``.item()``, a loop on a tensor), implicit
+against unrolled in accuracy, time and memory, and a penalty tuned for eight tasks at once.
 """
 
 # %%
@@ -100,18 +100,19 @@ assert residual < 1e-14
 # arithmetic) with guarded divisions. CG needs ``H`` symmetric positive definite, as at a
 # minimum; for a general root or fixed point, solve ``Jᵀu = v`` with a ``vjp`` of ``g`` as the
 # product and a non-symmetric solver. ``setup_context`` (with a ``ctx``-free ``forward``) is what
-# every transform requires; ``generate_vmap_rule = True`` lets ``vmap``, and ``jacrev``, which
-# runs the backward under ``vmap``, through the Function.
+# every transform requires; ``generate_vmap_rule = True`` is what ``vmap`` needs (``jacrev``
+# runs without it: it batches the backward's operators one by one).
 def conjugate_gradient(matvec, rhs, iterations):
+    tiny = torch.finfo(rhs.dtype).tiny  # a guard that is not 0 in float32 either
     solution, residual = torch.zeros_like(rhs), rhs
     direction, res_sq = rhs, rhs @ rhs
     for _ in range(iterations):
         product = matvec(direction)
-        alpha = res_sq / (direction @ product).clamp_min(1e-300)
+        alpha = res_sq / (direction @ product).clamp_min(tiny)
         solution = solution + alpha * direction
         residual = residual - alpha * product
         new_res_sq = residual @ residual
-        direction = residual + new_res_sq / res_sq.clamp_min(1e-300) * direction
+        direction = residual + new_res_sq / res_sq.clamp_min(tiny) * direction
         res_sq = new_res_sq
     return solution
 
@@ -205,21 +206,21 @@ assert_close("hypergradient vs central difference", hypergrad, by_difference, 1e
 # solver may not branch on its tensors. ``jacrev`` in the training features gives how the
 # validation loss moves with every training entry, and ``jacrev`` of ``grad`` the second
 # derivative in ``log_lam``, for which the outer transform differentiates the backward itself.
-# Forward mode (``jvp``, ``jacfwd``, and so ``hessian``) needs a ``jvp`` staticmethod, which
-# this Function does not define (asserted; the :doc:`extending page
-# <../guides/plot_extending_torch_func>` writes one).
+# Forward mode (``jvp``, ``jacfwd``, ``hessian``) needs a ``jvp`` staticmethod, not defined
+# here (asserted; the :doc:`extending page <../guides/plot_extending_torch_func>` writes one).
 num_tasks = 8
 tasks = [torch.stack(parts) for parts in zip(*map(make_task, range(num_tasks)))]
 log_lams = torch.linspace(-4.0, 0.0, num_tasks, device=device)
 batched = vmap(grad(validation_loss))(log_lams, *tasks)
-feature_grads = jacrev(validation_loss, argnums=1)(log_lam, *task)
+feature_grads, label_grads = jacrev(validation_loss, argnums=(1, 2))(log_lam, *task)
 curvature = jacrev(grad(validation_loss))(log_lam, *task)
 for t in range(num_tasks):
     (reference,) = unrolled_grads(log_lams[t], *(part[t] for part in tasks))
     assert_close(f"task {t}: vmap(grad) vs unrolled", batched[t], reference, 1e-14)
-(_, unrolled_feature_grads) = unrolled_grads(log_lam, *task, argnums=(0, 1))
-assert_close("jacrev in features (40, 6) vs unrolled", feature_grads, unrolled_feature_grads,
-             1e-15)  # fmt: skip
+_, *unrolled_parts = unrolled_grads(log_lam, *task, argnums=(0, 1, 2))
+for name, got, want in zip(("features (40, 6)", "labels (40,)"), (feature_grads, label_grads),
+                           unrolled_parts):  # fmt: skip
+    assert_close(f"jacrev in {name} vs unrolled", got, want, 1e-15)
 (unrolled_curvature,) = unrolled_grads(log_lam, *task, order=2)
 assert_close("second derivative vs unrolled", curvature, unrolled_curvature, 1e-13)
 by_difference = central_difference(lambda at: grad(validation_loss)(at, *task), log_lam)
@@ -273,7 +274,7 @@ class StoppingBackward(SolverArgmin):
         return tuple(-part for part in pull_back(adjoint))
 
 
-ITEM = ("vmap: It looks like you're calling .item()",  # two wordings, by where it runs
+ITEM = ("vmap: It looks like you're calling .item()",  # two wordings, by the transforms
         "vmap: It looks like you're either (1) calling .item()")  # fmt: skip
 for function, refused_by in ((StoppingForward, {"vmap(grad)"}),
                              (StoppingBackward, {"jacrev", "vmap(grad)"})):  # fmt: skip
@@ -375,8 +376,7 @@ for steps in steps_grid:
         slope = hypergrad_autograd(solver, probe := SavedBytes())  # also the warm-up
         kept[name].append(probe.nbytes)
         errors[name].append((slope - unrolled_hypergrad).abs().item())
-        every_thread = torch.get_num_threads()
-        timer = Timer("run(solver)", num_threads=every_thread,
+        timer = Timer("run(solver)", num_threads=torch.get_num_threads(),
                       globals={"run": hypergrad_autograd, "solver": solver})  # fmt: skip
         timings[name].append(timer.blocked_autorange(min_run_time=0.3))
     print(f"k={steps:3d}: " + ", ".join(
@@ -387,8 +387,10 @@ for at in (0, -1):
     slow, fast = sorted(METHOD_COLORS, key=lambda name: -timings[name][at].median)
     ratio = timings[slow][at].median / timings[fast][at].median
     print(f"at k={steps_grid[at]}: {slow} takes {ratio:.2g}x the time of {fast}")
-print(f"at k={steps_grid[-1]}: unrolled saves {kept['unrolled'][-1] / kept['implicit'][-1]:.3g}x"
-      " the bytes implicit saves")  # fmt: skip
+storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in task}
+added = {name: kept[name][-1] - sum(storages.values()) for name in METHOD_COLORS}
+print(f"at k={steps_grid[-1]}, beyond the task's data ({sum(storages.values()):,} bytes): "
+      f"unrolled saves {added['unrolled']:,} bytes, implicit {added['implicit']:,}")  # fmt: skip
 assert errors["implicit"][-1] < 1e-14 and errors["unrolled"][-1] < 1e-14
 implicit_kept, unrolled_kept = kept["implicit"], kept["unrolled"]
 assert implicit_kept[0] == implicit_kept[-1] < unrolled_kept[0] < unrolled_kept[-1]
@@ -407,10 +409,9 @@ axes[0].legend()
 plt.show()
 
 # %%
-# **Reading the numbers.** Before convergence neither derivative is right (the implicit one is
-# taken at a point that is not the answer). Both run ``k`` steps forward; the implicit backward
-# is then twelve Hessian-vector products and one ``vjp`` whatever ``k`` is, the unrolled one
-# replays every step and keeps more bytes as ``k`` grows (asserted). Times: printed above.
+# **Reading the numbers.** Before convergence neither derivative is right. Both run ``k`` steps
+# forward; the implicit backward is then 12 Hessian-vector products and a ``vjp`` whatever ``k``
+# is, the unrolled one replays every step and keeps more bytes as ``k`` grows (asserted).
 
 # %%
 # Use it: tune the penalty of eight tasks at once
