@@ -339,6 +339,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "Got in_dim=0 for an input but the input is of type",
             {"plot_pytrees_under_transforms"},
         ),
+        (
+            "Batching rule not implemented for aten::item",
+            {"plot_troubleshooting_eager_only"},
+        ),
+        (
+            "the fallback path doesn't work on out= or view ops",
+            {"plot_troubleshooting_eager_only"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

@@ -2,22 +2,25 @@
 Troubleshooting, part 14: what eager allows and vmap refuses: .data, memory formats, 1-D weights
 ================================================================================================
 
-Three errors from code that runs in eager and stops under a transform: reading ``.data`` inside
+Errors from code that runs in eager and stops under a transform: reading ``.data`` inside
 ``vmap`` (a model's own code, or a summary tool's hook, as torchinfo's); asking for a memory
 format such as ``channels_last`` inside ``vmap``; and ``F.linear`` with a 1-D weight under
-``grad``, ``jvp`` or ``vmap``. Each is raised and asserted, its cause read in torch's source or
-shown by a log of the operators that ran, and its fix checked against eager autograd or a loop.
-Then a table of what a function may ask of its tensor under ``vmap``, ``grad`` and ``jvp``.
+``grad``, ``jvp`` or ``vmap``; anomaly mode, and a custom backward with ``out=`` or a view, under a
+batched backward pass. Each is raised and
+asserted, its cause read in torch's source or shown by a log of the operators that ran, and its
+fix checked against eager autograd or a loop. Then a table of what a function may ask of its
+tensor under ``vmap``, ``grad`` and ``jvp``.
 Part 1: :doc:`plot_troubleshooting`; hooks under transforms: :doc:`plot_extending_torch_func`.
 """
 
+import warnings
 from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import grad, jvp, vmap
+from torch.func import grad, jacrev, jvp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,6 +237,110 @@ for name, fixed in FIXES.items():
           1e-15)  # fmt: skip
 
 # %%
+# Batching rule not implemented for aten::item. We could not generate a fallback
+# -------------------------------------------------------------------------------
+# Raised by a batched backward pass (``is_grads_batched=True``, or
+# ``torch.autograd.functional.jacobian(..., vectorize=True)``, which uses it) under
+# ``torch.autograd.set_detect_anomaly(True)``, code that runs without anomaly mode. Anomaly
+# mode checks each gradient for NaN, and that check asks the batched gradient for one Python
+# value: with ``check_nan=False``, which turns the check off and keeps the traceback of the
+# forward operation, the same calls run (asserted). ``torch.func.jacrev`` ran under full anomaly
+# mode here. To find a NaN without the check, test the result outside the transform, then run
+# the failing sample alone in eager mode with anomaly mode on.
+at = torch.randn(5, requires_grad=True, **wide)
+curve = at.sin() * at
+exact = torch.diag(at.cos() * at + at.sin()).detach()  # d(x sin x)/dx on the diagonal
+rows = {
+    "is_grads_batched": lambda: torch.autograd.grad(
+        curve, at, torch.eye(5, **wide), retain_graph=True, is_grads_batched=True
+    )[0],
+    "jacobian(vectorize=True)": lambda: torch.autograd.functional.jacobian(
+        lambda t: t.sin() * t, at.detach(), vectorize=True
+    ),
+}
+with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+    warnings.simplefilter("ignore")  # anomaly mode warns at every backward
+    for name, call in rows.items():
+        print(f"{name}, anomaly mode:")
+        raises(RuntimeError, "Batching rule not implemented for aten::item", call)
+    close(
+        "jacrev, anomaly mode", jacrev(lambda t: t.sin() * t)(at.detach()), exact, 1e-15
+    )
+with (
+    warnings.catch_warnings(),
+    torch.autograd.set_detect_anomaly(True, check_nan=False),
+):
+    warnings.simplefilter("ignore")
+    for name, call in rows.items():
+        close(f"{name}, anomaly mode with check_nan=False", call(), exact, 1e-15)
+
+
+# %%
+# Batching rule not implemented for aten::alias; the fallback path doesn't work on out= or view ops
+# -------------------------------------------------------------------------------------------------
+# Also from ``jacobian(..., vectorize=True)``, whose batched backward runs each ``backward`` of a
+# custom Function under ``vmap``: an operator with no batching rule falls back to a loop over
+# the batch, except ``out=`` forms and views such as ``aten.alias``, which raise. The same
+# Functions run with ``vectorize=False`` (one backward per row); rewritten out of place, they run
+# either way. ``strategy="forward-mode"`` exists only with ``vectorize=True`` (asserted below);
+# for forward mode without that API, ``torch.func.jacfwd``.
+class DoubleInto(torch.autograd.Function):  # a backward that writes into a buffer
+    @staticmethod
+    def forward(ctx, t):
+        return 2 * t
+
+    @staticmethod
+    def backward(ctx, out_grad):
+        return torch.mul(out_grad, 2, out=torch.empty_like(out_grad))
+
+
+class DoubleAlias(DoubleInto):  # a backward that returns a view of its input
+    @staticmethod
+    def backward(ctx, out_grad):
+        return torch.ops.aten.alias(2 * out_grad)
+
+
+class DoubleOutOfPlace(DoubleInto):  # the fix: a new tensor, no out=, no view
+    @staticmethod
+    def backward(ctx, out_grad):
+        return 2 * out_grad
+
+
+twice = 2 * torch.eye(5, **wide)
+fixed = torch.autograd.functional.jacobian(
+    DoubleOutOfPlace.apply, at.detach(), vectorize=True
+)
+close("DoubleOutOfPlace, vectorize=True", fixed, twice, 0.0)
+for function, op in ((DoubleInto, "aten::mul.out"), (DoubleAlias, "aten::alias")):
+    print(f"{function.__name__}, vectorize=True:")
+    vectorized = partial(
+        torch.autograd.functional.jacobian, function.apply, vectorize=True
+    )
+    raises(RuntimeError, f"Batching rule not implemented for {op}; the fallback", partial(
+        vectorized, at.detach()))  # fmt: skip
+    row_by_row = torch.autograd.functional.jacobian(function.apply, at.detach())
+    close(f"{function.__name__}, vectorize=False", row_by_row, twice, 0.0)
+for vectorize in (False, True):
+
+    def forward_mode(v=vectorize):
+        return torch.autograd.functional.jacobian(
+            torch.sin, at.detach(), strategy="forward-mode", vectorize=v
+        )
+
+    if vectorize:
+        close(
+            "forward-mode, vectorize=True",
+            forward_mode(),
+            torch.diag(at.cos()).detach(),
+            1e-15,
+        )
+    else:
+        print("strategy='forward-mode', vectorize=False:")
+        raises(
+            NotImplementedError, "only implemented for `vectorize=True`", forward_mode
+        )
+
+# %%
 # What a function may ask of its tensor, under each transform
 # -----------------------------------------------------------
 # Each question asked of the input inside ``vmap``, ``grad`` and ``jvp`` (on the CPU, whatever
@@ -324,3 +431,5 @@ plt.show()
 #   write ``x @ w + b``, or keep the weight 2-D.
 # - Inside any transform, storage, data pointers and NumPy are refused; under ``vmap``, sizes
 #   and strides are one sample's.
+# - Batched backward passes under anomaly mode: ``set_detect_anomaly(True, check_nan=False)``;
+#   under ``vectorize=True``, a custom backward with ``out=`` or a view op: write it out of place.

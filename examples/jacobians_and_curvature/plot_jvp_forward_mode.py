@@ -193,9 +193,10 @@ assert list(mode_of.values()) == ["forward", "forward", "reverse", "reverse"], m
 
 
 # %%
-# Two consequences. A ``backward`` marked ``@once_differentiable`` cannot be differentiated
-# again, which the trick needs: :func:`torch.autograd.functional.jvp` then returns zeros without
-# an error, and only ``strict=True`` says so. And forward mode needs a forward rule for every
+# Two consequences. The trick differentiates each ``backward`` with respect to the gradient it
+# receives, which a ``backward`` marked ``@once_differentiable`` does not allow:
+# :func:`torch.autograd.functional.jvp` then returns zeros without an error, and only
+# ``strict=True`` says so. And forward mode needs a forward rule for every
 # operator on the path: a few built-in ones lack it, such as ``F.grid_sample``, through which the
 # trick works.
 class SinOnceDifferentiable(SinBackwardRule):
@@ -271,6 +272,7 @@ assert not by_double_backward(trainable, small_batch, small_batch).requires_grad
 times = {}
 for model_name, (model, rows, width) in models.items():
     model.requires_grad_(False)
+    assert not any(p.requires_grad for p in model.parameters())  # the same work for all
     batch, probe = torch.randn(2, rows, width, device=device)
     model64, batch64, probe64 = (
         copy.deepcopy(model).double(),
@@ -347,22 +349,26 @@ with OperatorLog() as known:
     batch @ linear.weight.T
 assert known.products() == [("mm", False)], known.calls
 logs = {}
-for name in ("func.jvp", "double-backward trick"):
+for name in ("func.jvp", "forward_ad", "double-backward trick"):
     with OperatorLog() as logs[name]:
         jvp_routes[name](linear, batch, probe)
     print(f"{name:22s} matrix products (operator, an all-zero argument): "
           f"{logs[name].products()}")  # fmt: skip
 assert logs["func.jvp"].products() == [("addmm", False), ("mm", True), ("mm", False)]
 assert logs["double-backward trick"].products() == logs["func.jvp"].products()
+assert [op for op, _ in logs["forward_ad"].calls] == [
+    op for op, _ in logs["func.jvp"].calls
+]
 
 # %%
 # **Reading the numbers.** Both ways ran three matrix products of the same size on this layer,
 # one of them on an all-zero argument: forward mode multiplied the input by the weight's tangent,
 # zero because only the input has one; the trick multiplied its zero dummy ``u`` by the weight.
-# So forward mode saved no product here, and the rest of each way's work decided the times above
-# (this machine's; time your own model). Two things hold whatever the times: the trick keeps the
-# first backward's graph alive until the second one runs, and it needs every backward to be
-# differentiable again, where forward mode needs every operator's forward rule.
+# So forward mode saved no product here. ``func.jvp`` and ``forward_ad`` ran the same operators
+# (asserted), so the time between them is Python work per call, above the operators (the times
+# above are this machine's; time your own model). Whatever the times, the trick keeps the first
+# backward's graph alive until the second one runs, and differentiates every backward again,
+# where forward mode needs every operator's forward rule.
 
 # %%
 # The value beside ``J v``: equal, or equal to rounding?
@@ -385,6 +391,7 @@ cases = {
 }
 points = torch.randn(64, 256, device=device)
 tangents = torch.randn_like(points)
+differs = {}
 for name, op in cases.items():
 
     def loss(t, op=op):
@@ -399,6 +406,8 @@ for name, op in cases.items():
     assert_close(
         f"  value beside the HVP vs float64, {name}", beside_hvp, exact, BOUNDS[name]
     )
+    differs[name] = not torch.equal(plain, beside_hvp)
+assert any(differs.values()), "the text says some differ: none did on this run"
 
 
 # %%
@@ -428,8 +437,8 @@ print(f"grad: {len(plain_names)} operators, the fused backward among them; under
 # ----------------
 # * :func:`torch.func.jvp` and ``torch.autograd.forward_ad`` are forward mode;
 #   :func:`torch.autograd.functional.jvp` is the double-backward trick, two reverse passes.
-# * A custom Function needs a ``jvp`` rule for forward mode and a twice-differentiable
-#   ``backward`` for the trick; a ``@once_differentiable`` one gives zeros unless ``strict=True``.
+# * A custom Function needs a ``jvp`` rule for forward mode, and for the trick a ``backward``
+#   that can be differentiated; a ``@once_differentiable`` one gives zeros unless ``strict=True``.
 # * Which is faster depends on the model and the device: time both, warmed up, doing the same
 #   work (frozen parameters, or a graph for both).
 # * The value ``jvp(grad(loss))`` returns beside the product can differ from ``grad(loss)`` by
