@@ -279,7 +279,8 @@ with (
 # Batching rule not implemented for aten::alias; the fallback path doesn't work on out= or view ops
 # -------------------------------------------------------------------------------------------------
 # Also from ``jacobian(..., vectorize=True)``, whose batched backward runs each ``backward`` of a
-# custom Function under ``vmap``: an operator with no batching rule falls back to a loop over
+# custom Function under ``vmap`` (part 4, :doc:`plot_troubleshooting_custom_and_compiled`, shows
+# the message under ``torch.vmap``): an operator with no batching rule falls back to a loop over
 # the batch, except ``out=`` forms and views such as ``aten.alias``, which raise. The same
 # Functions run with ``vectorize=False`` (one backward per row); rewritten out of place, they run
 # either way. ``strategy="forward-mode"`` exists only with ``vectorize=True`` (asserted below);
