@@ -206,7 +206,7 @@ for s in range(num_systems):
 # Metadata stays as it was, and ``chunk_size`` splits the children
 # ----------------------------------------------------------------
 # What ``flatten`` returns as *context* is not a child, so ``vmap`` does not map it: a batch
-# size stored there still says 6 inside the function, where each call sees one system. Inside a
+# size stored there still says 6 inside the function, where the function sees one system. Inside a
 # transform, read sizes from the tensors. ``chunk_size=k`` flattens the input, splits each
 # child into chunks of ``k``, and rebuilds the class per chunk with the same context: the
 # results equal the unchunked ones. A dataclass with a name or a count in it needs the same:
@@ -309,7 +309,8 @@ ax.set_yticks(
 )
 ax.invert_yaxis()
 ax.set(
-    xlabel="median time (µs), bars to the IQR",
+    xscale="log",
+    xlabel="median time (µs, log scale), bars ± the IQR",
     title=f"vmap of the energy, {device.type}",
 )
 plt.show()
