@@ -239,14 +239,16 @@ for name, fixed in FIXES.items():
 # %%
 # Batching rule not implemented for aten::item. We could not generate a fallback
 # -------------------------------------------------------------------------------
-# Raised by a batched backward pass (``is_grads_batched=True``, or
-# ``torch.autograd.functional.jacobian(..., vectorize=True)``, which uses it) under
-# ``torch.autograd.set_detect_anomaly(True)``, code that runs without anomaly mode. Anomaly
-# mode checks each gradient for NaN, and that check asks the batched gradient for one Python
-# value: with ``check_nan=False``, which turns the check off and keeps the traceback of the
-# forward operation, the same calls run (asserted). ``torch.func.jacrev`` ran under full anomaly
-# mode here. To find a NaN without the check, test the result outside the transform, then run
-# the failing sample alone in eager mode with anomaly mode on.
+# Raised by autograd's own batched backward (``is_grads_batched=True``, which
+# ``torch.autograd.functional.jacobian(..., vectorize=True)`` uses) under
+# ``torch.autograd.set_detect_anomaly(True)``. That backward runs on an older vmap
+# (``torch._vmap_internals``), not ``torch.func.vmap``. Anomaly mode checks each gradient for NaN,
+# and there the check asks the batched gradient for one Python value: with ``check_nan=False``
+# (no NaN check, the forward traceback kept) the same calls run (asserted). Better, as it keeps
+# the check: ``torch.func.jacrev`` runs under full anomaly mode and still names the operator that
+# made a NaN (asserted with ``sqrt`` of a negative number). Without anomaly mode, a custom
+# ``backward`` that asks its gradient for a Python number (``float``, ``.item()``, an ``if``)
+# raises the same under ``vectorize=True`` (asserted): keep Python numbers out of it.
 at = torch.randn(5, requires_grad=True, **wide)
 curve = at.sin() * at
 exact = torch.diag(at.cos() * at + at.sin()).detach()  # d(x sin x)/dx on the diagonal
@@ -266,6 +268,10 @@ with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
     close(
         "jacrev, anomaly mode", jacrev(lambda t: t.sin() * t)(at.detach()), exact, 1e-15
     )
+    negative = -at.detach().abs() - 1  # sqrt of these is NaN, and so is its backward
+    print("jacrev, anomaly mode, NaN from sqrt:")
+    raises(RuntimeError, "Function 'SqrtBackward0' returned nan values", lambda: jacrev(
+        lambda t: torch.where(t > 0, t.sqrt(), t))(negative))  # fmt: skip
 with (
     warnings.catch_warnings(),
     torch.autograd.set_detect_anomaly(True, check_nan=False),
@@ -275,71 +281,67 @@ with (
         close(f"{name}, anomaly mode with check_nan=False", call(), exact, 1e-15)
 
 
+class DoubleIfPositive(
+    torch.autograd.Function
+):  # a backward that asks for a Python number
+    forward = staticmethod(lambda ctx, t: 2 * t)
+    backward = staticmethod(lambda ctx, g: 2 * g if float(g.norm()) >= 0 else g)
+
+
+print("a backward calling float(), vectorize=True, no anomaly mode:")
+vectorized = partial(torch.autograd.functional.jacobian, vectorize=True)
+raises(RuntimeError, "Batching rule not implemented for aten::item",
+       partial(vectorized, DoubleIfPositive.apply, at.detach()))  # fmt: skip
+
+
 # %%
 # Batching rule not implemented for aten::alias; the fallback path doesn't work on out= or view ops
 # -------------------------------------------------------------------------------------------------
 # Also from ``jacobian(..., vectorize=True)``, whose batched backward runs each ``backward`` of a
-# custom Function under ``vmap`` (part 4, :doc:`plot_troubleshooting_custom_and_compiled`, shows
-# the message under ``torch.vmap``): an operator with no batching rule falls back to a loop over
-# the batch, except ``out=`` forms and views such as ``aten.alias``, which raise. The same
-# Functions run with ``vectorize=False`` (one backward per row); rewritten out of place, they run
-# either way. ``strategy="forward-mode"`` exists only with ``vectorize=True`` (asserted below);
-# for forward mode without that API, ``torch.func.jacfwd``.
-class DoubleInto(torch.autograd.Function):  # a backward that writes into a buffer
-    @staticmethod
-    def forward(ctx, t):
-        return 2 * t
-
-    @staticmethod
-    def backward(ctx, out_grad):
-        return torch.mul(out_grad, 2, out=torch.empty_like(out_grad))
+# custom Function on the older vmap (part 4, :doc:`plot_troubleshooting_custom_and_compiled`,
+# shows the message under ``torch.vmap``): an operator with no batching rule falls back to a loop
+# over the batch, except ``out=`` forms and some views (``aten.alias`` here; ``.detach()`` and
+# ``.flatten()`` too), which raise. The same Functions run with ``vectorize=False`` (one backward
+# per row), and written without ``out=`` or the view they run either way; so does
+# ``torch.func.jacrev`` of one written with ``setup_context`` (asserted).
+# ``strategy="forward-mode"`` exists only with ``vectorize=True`` (asserted below); for forward
+# mode without that API, ``torch.func.jacfwd``.
+class DoubleInto(DoubleIfPositive):  # a backward that writes into a buffer
+    backward = staticmethod(lambda ctx, g: torch.mul(g, 2, out=torch.empty_like(g)))
 
 
-class DoubleAlias(DoubleInto):  # a backward that returns a view of its input
-    @staticmethod
-    def backward(ctx, out_grad):
-        return torch.ops.aten.alias(2 * out_grad)
+class DoubleAlias(DoubleIfPositive):  # a backward that returns a view of its result
+    backward = staticmethod(lambda ctx, g: torch.ops.aten.alias(2 * g))
 
 
-class DoubleOutOfPlace(DoubleInto):  # the fix: a new tensor, no out=, no view
-    @staticmethod
-    def backward(ctx, out_grad):
-        return 2 * out_grad
+class DoubleOutOfPlace(DoubleIfPositive):  # the fix: a new tensor, no out=, no view
+    backward = staticmethod(lambda ctx, g: 2 * g)
+
+
+class DoubleAliasNewStyle(torch.autograd.Function):  # the alias, for torch.func.jacrev
+    forward = staticmethod(lambda t: 2 * t)
+    setup_context = staticmethod(lambda ctx, inputs, output: None)
+    backward = DoubleAlias.backward
 
 
 twice = 2 * torch.eye(5, **wide)
-fixed = torch.autograd.functional.jacobian(
-    DoubleOutOfPlace.apply, at.detach(), vectorize=True
-)
-close("DoubleOutOfPlace, vectorize=True", fixed, twice, 0.0)
+close("jacrev, the alias with setup_context", jacrev(DoubleAliasNewStyle.apply)(at.detach()),
+      twice, 0.0)  # fmt: skip
+close("DoubleOutOfPlace, vectorize=True", vectorized(DoubleOutOfPlace.apply, at.detach()),
+      twice, 0.0)  # fmt: skip
 for function, op in ((DoubleInto, "aten::mul.out"), (DoubleAlias, "aten::alias")):
     print(f"{function.__name__}, vectorize=True:")
-    vectorized = partial(
-        torch.autograd.functional.jacobian, function.apply, vectorize=True
-    )
-    raises(RuntimeError, f"Batching rule not implemented for {op}; the fallback", partial(
-        vectorized, at.detach()))  # fmt: skip
+    raises(RuntimeError, f"Batching rule not implemented for {op}; the fallback",
+           partial(vectorized, function.apply, at.detach()))  # fmt: skip
     row_by_row = torch.autograd.functional.jacobian(function.apply, at.detach())
     close(f"{function.__name__}, vectorize=False", row_by_row, twice, 0.0)
-for vectorize in (False, True):
+forward_mode = partial(torch.autograd.functional.jacobian, torch.sin, at.detach(),
+                       strategy="forward-mode")  # fmt: skip
+print("strategy='forward-mode', vectorize=False:")
+raises(NotImplementedError, "only implemented for `vectorize=True`", forward_mode)
+close("forward-mode, vectorize=True", forward_mode(vectorize=True),
+      torch.diag(at.cos()).detach(), 1e-15)  # fmt: skip
 
-    def forward_mode(v=vectorize):
-        return torch.autograd.functional.jacobian(
-            torch.sin, at.detach(), strategy="forward-mode", vectorize=v
-        )
-
-    if vectorize:
-        close(
-            "forward-mode, vectorize=True",
-            forward_mode(),
-            torch.diag(at.cos()).detach(),
-            1e-15,
-        )
-    else:
-        print("strategy='forward-mode', vectorize=False:")
-        raises(
-            NotImplementedError, "only implemented for `vectorize=True`", forward_mode
-        )
 
 # %%
 # What a function may ask of its tensor, under each transform
@@ -432,5 +434,6 @@ plt.show()
 #   write ``x @ w + b``, or keep the weight 2-D.
 # - Inside any transform, storage, data pointers and NumPy are refused; under ``vmap``, sizes
 #   and strides are one sample's.
-# - Batched backward passes under anomaly mode: ``set_detect_anomaly(True, check_nan=False)``;
-#   under ``vectorize=True``, a custom backward with ``out=`` or a view op: write it out of place.
+# - ``vectorize=True`` and ``is_grads_batched`` run the backward on an older vmap: under anomaly
+#   mode use ``torch.func.jacrev`` (it keeps the NaN check) or ``check_nan=False``; in a custom
+#   backward, no Python numbers, no ``out=``, no ``alias``, ``.detach()`` or ``.flatten()``.
