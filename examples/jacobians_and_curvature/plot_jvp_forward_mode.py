@@ -303,14 +303,17 @@ fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), layout="constrained")
 for ax, model_name in zip(axes, models):
     for row, (name, colour) in enumerate(METHOD_COLORS.items()):
         measured = times[model_name, name]
-        ax.barh(
-            row,
-            measured.median * 1e6,
-            xerr=measured.iqr * 1e6,
-            color=colour,
-            label=name,
+        quartiles = (
+            torch.tensor(measured.times).quantile(torch.tensor([0.25, 0.75])) * 1e6
         )
-    ax.set(yticks=[], title=model_name, xlabel="median time (µs), bars to the IQR")
+        spread = [
+            [measured.median * 1e6 - quartiles[0]],
+            [quartiles[1] - measured.median * 1e6],
+        ]
+        ax.barh(row, measured.median * 1e6, xerr=spread, color=colour, label=name)
+    ax.set(
+        yticks=[], title=model_name, xlabel="median time (µs), bars to the quartiles"
+    )
     ax.invert_yaxis()
 fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4)
 fig.suptitle(f"One J v per call, {device.type.upper()}, parameters frozen")
@@ -365,8 +368,9 @@ assert [op for op, _ in logs["forward_ad"].calls] == [
 # one of them on an all-zero argument: forward mode multiplied the input by the weight's tangent,
 # zero because only the input has one; the trick multiplied its zero dummy ``u`` by the weight.
 # So forward mode saved no product here. ``func.jvp`` and ``forward_ad`` ran the same operators
-# (asserted), so the time between them is Python work per call, above the operators (the times
-# above are this machine's; time your own model). Whatever the times, the trick keeps the first
+# (asserted), so what separates them is work around the operators (wrapping and dispatch), not
+# arithmetic; a profile of your own model shows where its time goes (the times above are this
+# machine's). Whatever the times, the trick keeps the first
 # backward's graph alive until the second one runs, and differentiates every backward again,
 # where forward mode needs every operator's forward rule.
 
@@ -438,7 +442,8 @@ print(f"grad: {len(plain_names)} operators, the fused backward among them; under
 # * :func:`torch.func.jvp` and ``torch.autograd.forward_ad`` are forward mode;
 #   :func:`torch.autograd.functional.jvp` is the double-backward trick, two reverse passes.
 # * A custom Function needs a ``jvp`` rule for forward mode, and for the trick a ``backward``
-#   that can be differentiated; a ``@once_differentiable`` one gives zeros unless ``strict=True``.
+#   differentiable in its incoming gradient; through a ``@once_differentiable`` one,
+#   ``autograd.functional.jvp`` returns zeros unless ``strict=True``.
 # * Which is faster depends on the model and the device: time both, warmed up, doing the same
 #   work (frozen parameters, or a graph for both).
 # * The value ``jvp(grad(loss))`` returns beside the product can differ from ``grad(loss)`` by
