@@ -245,10 +245,11 @@ for name, fixed in FIXES.items():
 # (``torch._vmap_internals``), not ``torch.func.vmap``. Anomaly mode checks each gradient for NaN,
 # and there the check asks the batched gradient for one Python value: with ``check_nan=False``
 # (no NaN check, the forward traceback kept) the same calls run (asserted). Better, as it keeps
-# the check: ``torch.func.jacrev`` runs under full anomaly mode and still names the operator that
-# made a NaN (asserted with ``sqrt`` of a negative number). Without anomaly mode, a custom
-# ``backward`` that asks its gradient for a Python number (``float``, ``.item()``, an ``if``)
-# raises the same under ``vectorize=True`` (asserted): keep Python numbers out of it.
+# the check: ``torch.func.jacrev`` (or ``vmap`` over ``torch.func.vjp`` for other cotangents)
+# runs under full anomaly mode and still names the operator that made a NaN (asserted with
+# ``sqrt`` of a negative number). Without anomaly mode, a custom ``backward`` that calls
+# ``float`` or ``.item()`` on its gradient raises the same under ``vectorize=True`` (asserted; an
+# ``if`` on it raises the ``aten::is_nonzero`` form): keep Python numbers out of it.
 at = torch.randn(5, requires_grad=True, **wide)
 curve = at.sin() * at
 exact = torch.diag(at.cos() * at + at.sin()).detach()  # d(x sin x)/dx on the diagonal
@@ -302,8 +303,8 @@ raises(RuntimeError, "Batching rule not implemented for aten::item",
 # shows the message under ``torch.vmap``): an operator with no batching rule falls back to a loop
 # over the batch, except ``out=`` forms and some views (``aten.alias`` here; ``.detach()`` and
 # ``.flatten()`` too), which raise. The same Functions run with ``vectorize=False`` (one backward
-# per row), and written without ``out=`` or the view they run either way; so does
-# ``torch.func.jacrev`` of one written with ``setup_context`` (asserted).
+# per row), and written without ``out=`` or the view they run either way. ``torch.func.jacrev``
+# runs the view backward once the Function has ``setup_context`` (asserted), not the ``out=`` one.
 # ``strategy="forward-mode"`` exists only with ``vectorize=True`` (asserted below); for forward
 # mode without that API, ``torch.func.jacfwd``.
 class DoubleInto(DoubleIfPositive):  # a backward that writes into a buffer
