@@ -303,13 +303,11 @@ fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), layout="constrained")
 for ax, model_name in zip(axes, models):
     for row, (name, colour) in enumerate(METHOD_COLORS.items()):
         measured = times[model_name, name]
-        quartiles = (
-            torch.tensor(measured.times).quantile(torch.tensor([0.25, 0.75])) * 1e6
-        )
-        spread = [
-            [measured.median * 1e6 - quartiles[0]],
-            [quartiles[1] - measured.median * 1e6],
-        ]
+        levels = torch.tensor([0.25, 0.75], dtype=torch.float64)
+        times_us = torch.tensor(measured.times, dtype=torch.float64) * 1e6
+        low, high = times_us.quantile(levels).tolist()
+        mid = measured.median * 1e6  # with one block, all three are its time
+        spread = [[max(mid - low, 0.0)], [max(high - mid, 0.0)]]
         ax.barh(row, measured.median * 1e6, xerr=spread, color=colour, label=name)
     ax.set(
         yticks=[], title=model_name, xlabel="median time (µs), bars to the quartiles"
