@@ -92,16 +92,16 @@ assert residual < 1e-14
 # The recipe: a Function whose backward solves one linear system
 # --------------------------------------------------------------
 # At the answer, ``g(w*, θ) = 0`` for every ``θ`` (here ``θ`` is ``log_lam`` and the data).
-# Differentiating that identity gives ``H dw* = −(∂g/∂θ) dθ``. So a backward that receives ``v =
-# ∂loss/∂w*`` solves ``H u = v`` (``H`` is symmetric) and returns ``−uᵀ ∂g/∂θ``, which is a
+# Differentiating that identity gives ``H dw* = −(∂g/∂θ) dθ``. So a backward that receives
+# ``v = ∂loss/∂w*`` solves ``H u = v`` (``H`` is symmetric) and returns ``−uᵀ ∂g/∂θ``, which is a
 # vector-Jacobian product of ``g`` in ``θ`` at fixed ``w*``. Conjugate gradients solve ``H u = v``
-# from Hessian-vector products, which scales to many weights (for six, ``linalg.solve`` on the
-# Hessian is simpler), in a fixed ``2d`` iterations (``d`` in exact arithmetic) with guarded
-# divisions. CG needs ``H`` symmetric positive definite, as at a minimum; for a general root or
-# fixed point, solve ``Jᵀu = v`` with a ``vjp`` of ``g`` as the product and a non-symmetric solver.
-# ``setup_context`` (and a ``ctx``-free ``forward``) every transform requires; ``generate_vmap_rule
-# = True`` is what ``vmap`` needs (``jacrev`` runs without it: it batches the backward's operators
-# one by one).
+# from Hessian-vector products without storing ``H`` (for six weights ``linalg.solve`` on the
+# Hessian is simpler), here a fixed ``2d`` iterations (``d`` in exact arithmetic; with many weights
+# fewer may do: check the residual once) with guarded divisions. CG needs ``H`` symmetric positive
+# definite, as at a minimum; for a general root or fixed point, solve ``Jᵀu = v`` with a ``vjp`` of
+# ``g`` as the product and a non-symmetric solver. Every transform requires ``setup_context`` (and a
+# ``ctx``-free ``forward``); ``generate_vmap_rule = True`` is what ``vmap`` needs (``jacrev`` runs
+# without it: it batches the backward's operators one by one).
 def conjugate_gradient(matvec, rhs, iterations):
     tiny = torch.finfo(rhs.dtype).tiny  # a guard that is not 0 in float32 either
     solution, residual = torch.zeros_like(rhs), rhs
