@@ -19,6 +19,7 @@ differ from ``grad(loss)`` by rounding, and how to compare it.
 # -----
 # TF32 stays off on GPUs, so that float32 checks measure float32 rounding.
 import copy
+from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
@@ -59,6 +60,17 @@ def assert_close(name, got, want, bound):
     error = ((got - want).abs() / (1 + want.abs())).max().item()
     print(f"{name:46s} max error {error:.1e} (bound {bound:.0e})")
     assert error <= bound, (name, error)
+
+
+def refused(kind, start, call):
+    """call() raises exactly kind, its message starting with start."""
+    try:
+        call()
+    except kind as error:
+        assert type(error) is kind and str(error).startswith(start), error
+        print(f"  {kind.__name__}: {str(error)[:72]}...")
+        return
+    raise AssertionError(f"no {kind.__name__}: {start}")
 
 
 network64 = copy.deepcopy(network).double()
@@ -211,15 +223,9 @@ assert not silent.any(), silent
 print(
     f"autograd.functional.jvp through a once-differentiable backward: {silent.tolist()}"
 )
-try:
-    torch.autograd.functional.jvp(
-        SinOnceDifferentiable.apply, point, along, strict=True
-    )
-    raise AssertionError("strict=True accepted a once-differentiable backward")
-except RuntimeError as strict_error:
-    assert str(strict_error).startswith(
-        "The gradient with respect to the input is independent"
-    )
+strict = partial(torch.autograd.functional.jvp, strict=True)
+refused(RuntimeError, "The gradient with respect to the input is independent",
+        partial(strict, SinOnceDifferentiable.apply, point, along))  # fmt: skip
 image = torch.randn(1, 1, 4, 4, device=device)
 sample_grid = torch.rand(1, 3, 3, 2, device=device) * 2 - 1
 grid_direction = torch.randn_like(sample_grid)
@@ -229,16 +235,9 @@ def sampled(g):
     return F.grid_sample(image.to(g.dtype), g, align_corners=False)
 
 
-try:
-    jvp(sampled, (sample_grid,), (grid_direction,))
-    raise AssertionError("forward AD ran through grid_sample")
-except NotImplementedError as missing:
-    assert str(missing).startswith("Trying to use forward AD with grid_sampler_2d"), (
-        missing
-    )
-    print(
-        f"func.jvp through F.grid_sample: NotImplementedError: {str(missing)[:58]}..."
-    )
+print("func.jvp through F.grid_sample:")
+refused(NotImplementedError, "Trying to use forward AD with grid_sampler_2d",
+        partial(by_func_jvp, sampled, sample_grid, grid_direction))  # fmt: skip
 by_trick = by_double_backward(sampled, sample_grid, grid_direction)
 along_grid = (sampled(sample_grid.double() + 1e-6 * grid_direction.double())
               - sampled(sample_grid.double() - 1e-6 * grid_direction.double())) / 2e-6  # fmt: skip
