@@ -66,9 +66,9 @@ def refused(kind, start, call):
     """call() raises exactly kind, its message starting with start."""
     try:
         call()
-    except kind as error:
-        assert type(error) is kind and str(error).startswith(start), error
-        print(f"  {kind.__name__}: {str(error)[:72]}...")
+    except kind as raised:
+        assert type(raised) is kind and str(raised).startswith(start), raised
+        print(f"  {kind.__name__}: {str(raised)[:72]}...")
         return
     raise AssertionError(f"no {kind.__name__}: {start}")
 
