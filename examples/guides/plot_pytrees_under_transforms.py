@@ -25,7 +25,7 @@ from torch.utils.benchmark import Timer
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
-print(f"torch {torch.__version__}; device: {device}; {torch.get_num_threads()} threads")
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 
 
 # %%
