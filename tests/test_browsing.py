@@ -347,6 +347,15 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "the fallback path doesn't work on out= or view ops",
             {"plot_troubleshooting_eager_only"},
         ),
+        (
+            "Expected 2D (unbatched) or 3D (batched) input to conv1d",
+            {"plot_troubleshooting_batch_assumed"},
+        ),
+        (
+            "mat1 and mat2 shapes cannot be multiplied",
+            {"plot_troubleshooting_batch_assumed"},
+        ),
+        ("expected 4D input (got 3D input)", {"plot_troubleshooting_batch_assumed"}),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

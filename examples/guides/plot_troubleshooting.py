@@ -2,16 +2,16 @@
 Troubleshooting torch.func, by error message
 ============================================
 
-Paste an error message into the search box to find this page: each title begins with the message's
-first words as PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or
-links it), asserts its type and words (``raises``), checks the fix against a reference (``agree``);
-:doc:`plot_pitfalls` explains some. Parts 2 to 14: :doc:`plot_troubleshooting_arguments`,
-:doc:`plot_troubleshooting_libraries`, :doc:`plot_troubleshooting_custom_and_compiled`,
-:doc:`plot_troubleshooting_versions_and_export`, :doc:`plot_troubleshooting_eager_only`,
-:doc:`plot_troubleshooting_compiled_scripted_seeded`, :doc:`plot_troubleshooting_cuda_kernels`,
-:doc:`plot_troubleshooting_indices_and_batched_grads`, :doc:`plot_troubleshooting_escaped_tensors`,
-:doc:`plot_troubleshooting_refused_modules_and_nan`, :doc:`plot_troubleshooting_batched_linalg`,
-:doc:`plot_troubleshooting_training_through_jvp`, :doc:`plot_troubleshooting_fixed_reports`.
+Paste an error message into the search box: each title begins with the message's first words as
+PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
+asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
+some. Parts 2 to 15: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
+:doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
+:doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
+:doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
+:doc:`plot_troubleshooting_escaped_tensors`, :doc:`plot_troubleshooting_refused_modules_and_nan`,
+:doc:`plot_troubleshooting_batched_linalg`, :doc:`plot_troubleshooting_training_through_jvp`,
+:doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`.
 """
 
 import contextlib
@@ -441,8 +441,8 @@ plt.show()
 # What to remember
 # ----------------
 # * Errors from inside torch (distributions, losses): rewrite those lines with batched operators.
-# * Under ``vmap`` no shape and no ``if`` may depend on values: give ``num_classes`` and fixed
-#   lengths, and run solvers for a fixed number of steps, frozen with ``torch.where``.
+# * Under ``vmap`` no shape and no ``if`` may depend on values: give ``num_classes``, fixed lengths
+#   and solvers a fixed number of steps, frozen with ``torch.where``. Part 15: batch-sized code.
 # * Transforms want state as inputs and tensors as outputs: pass BatchNorm buffers in, return
 #   tensors from ``has_aux``, and use ``grad``, not ``autograd.grad``, inside ``vmap``.
 # * ``functional_call``: inputs by ``kwargs=``, one name per tied weight, registered parameters.
