@@ -76,6 +76,8 @@ SITE_PALETTE = {
     "double-backward trick": "#A6761D",
     "implicit": "#66A61E",
     "unrolled": "#663333",
+    "atom chunks": "#6A3D9A",
+    "checkpointed": "#8C564B",
 }
 HEX_COLOUR = re.compile(r"[\"']#[0-9A-Fa-f]{6}[\"']")
 
