@@ -99,7 +99,7 @@ def refused(kind, words, call):
     """call() must raise exactly kind with words in its message; prints and returns it."""
     try:
         call()
-    except Exception as caught:  # the wrong type fails the assert below, naming it
+    except kind as caught:  # any other type stops the page with its own error
         said = " ".join(f"{caught}".split())
         assert type(caught) is kind and words in said, f"{caught!r}"
         print(f"  {kind.__name__}: {said[:96]}")
