@@ -6,8 +6,12 @@ pages in a real browser), test_workflows.py (the CI that builds and publishes th
 test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 """
 
+import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +20,6 @@ import pytest
 from helpers import (
     EXAMPLES,
     copy_sources,
-    downloaded,
     make,
     read_times,
     times_from_execution_page,
@@ -36,76 +39,159 @@ class Site:
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Site:
+def site(tmp_path_factory, notebooks) -> Site:
     """The site the tests read: built here from a clean copy, or, with SITE_TREE=path, the one
-    that `make html` or `make merge` built in that tree (CI tests the merge of its shards)."""
+    that `make html` or `make merge` built in that tree (CI tests the merge of its shards).
+
+    While it builds, each selected example's notebook starts in a kernel as soon as the build
+    has written it (see NotebookRunner)."""
     if os.environ.get("SITE_TREE"):
-        return built_site(Path(os.environ["SITE_TREE"]).resolve())
+        built = built_site(Path(os.environ["SITE_TREE"]).resolve())
+        notebooks.all_built(built.tree)
+        return built
     tree = copy_sources(tmp_path_factory.mktemp("site"))
-    result = make(tree, "html")
+    with ThreadPoolExecutor(1) as background:
+        # One thread for the build: a notebook kernel runs beside it on the other core.
+        build = background.submit(
+            make, tree, "html", env={"OMP_NUM_THREADS": "1"}, timeout=1800
+        )
+        while not build.done():
+            notebooks.offer_written(tree)
+            time.sleep(POLL_S)
+        result = build.result()
     log = result.stdout + result.stderr
     if result.returncode != 0:
+        notebooks.cancel()
         pytest.fail(
             f"`make html` failed with exit code {result.returncode}:\n{log[-6000:]}"
         )
+    notebooks.all_built(tree)
     BUILT_TREES.append(tree)
     return Site(tree=tree, html=tree / "_build" / "html", log=log)
 
 
 BUILT_TREES = []  # the site fixture's build, for the time report at the end
 
-# Every downloaded notebook runs again in a real kernel (test_downloading.py). They start as soon
-# as the site is built and run in the background while the other tests run, whose browser, make
-# and server waits leave cores idle; their tests are collected last and only wait for them.
-# Two kernels at a time, one thread each: two kernels of two threads on two cores slow each
-# other down many times over. Timings are never asserted, so the thread count changes no
-# checked result.
-NOTEBOOK_WORKERS = 2
+# Every downloaded notebook runs again in a real kernel (test_downloading.py), one thread each:
+# two kernels of two threads on two cores slow each other down many times over. Timings are
+# never asserted, so the thread count changes no checked result. While the site builds (on one
+# thread), one kernel runs the notebooks the build has written so far; once it is built, two
+# kernels run the rest beside the other tests, whose browser, make and server waits leave cores
+# idle. Their tests are collected last and only wait for them.
+KERNELS_WHILE_BUILDING = 1
+KERNELS_AFTER_BUILDING = 2
 NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
 CELL_TIMEOUT_S = 300
+POLL_S = 2.0
 
 
-def execute_notebook(path, workdir):
-    """Run one downloaded notebook in a fresh kernel, as Jupyter would; return it, run."""
-    notebook = nbformat.read(path, as_version=4)
+def execute_notebook(text, workdir):
+    """Run one notebook (its file's text) in a fresh kernel, as Jupyter would; return it,
+    run."""
+    notebook = nbformat.reads(text, as_version=4)
     client = NotebookClient(
         notebook,
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
         resources={"metadata": {"path": str(workdir)}},
     )
-    # One thread per kernel (see NOTEBOOK_WORKERS); raises on the first error cell.
+    # One thread per kernel (see KERNELS_WHILE_BUILDING); raises on the first error cell.
     client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
     return notebook
 
 
-@pytest.fixture(scope="session", autouse=True)
-def running_notebooks(request, tmp_path_factory):
-    """{example: future of its run notebook} for the notebook tests this run selected, started
-    right after the site is built, slowest first (by the recorded times), so that the two
-    kernels finish together; {} without building anything when none is selected."""
+class NotebookRunner:
+    """Runs the selected examples' notebooks in kernels, each as soon as the build wrote it.
+
+    The build writes an example's notebook (docs/auto_examples/<section>/<name>.ipynb, by a
+    rename, so never half-written) right after running the example, and copies it into the
+    site's downloads at the end; the notebook test checks that the download is the file that
+    ran. `futures` maps each example to the future of its run notebook."""
+
+    def __init__(self, examples, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.waiting = list(examples)
+        self.futures = {example: Future() for example in examples}
+        self.ran_bytes = {}  # example: the bytes of the notebook file its kernel ran
+        # Of the notebooks written, the slowest first (by the recorded times), so that the
+        # kernels finish together; then a stop for each kernel.
+        self.recorded = read_times()
+        self.ready = queue.PriorityQueue()
+        self.order = itertools.count()
+        self.kernels = [self._start_kernel() for _ in range(KERNELS_WHILE_BUILDING)]
+
+    def _start_kernel(self):
+        kernel = threading.Thread(target=self._run_kernels, daemon=True)
+        kernel.start()
+        return kernel
+
+    def _run_kernels(self):
+        while (item := self.ready.get())[2] is not None:
+            _, _, example, text, workdir = item
+            future = self.futures[example]
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(execute_notebook(text, workdir))
+            except BaseException as error:  # re-raised by the notebook's own test
+                future.set_exception(error)
+
+    def offer_written(self, tree):
+        """Queue every waiting example whose notebook the build in `tree` has written."""
+        for example in list(self.waiting):
+            path = tree / "docs" / "auto_examples" / example.with_suffix(".ipynb")
+            if path.is_file():
+                self.waiting.remove(example)
+                self.ran_bytes[example] = path.read_bytes()
+                text = self.ran_bytes[example].decode("utf-8")
+                seconds = self.recorded.get(example.name, 60.0)
+                workdir = self.tmp_path_factory.mktemp(example.stem)
+                self.ready.put((-seconds, next(self.order), example, text, workdir))
+
+    def all_built(self, tree):
+        """The build is over: queue the rest, and run more kernels at once."""
+        self.offer_written(tree)
+        for example in self.waiting:  # not written: their tests say so
+            self.futures[example].set_exception(
+                FileNotFoundError(f"the build wrote no notebook for {example}")
+            )
+        self.waiting = []
+        extra = KERNELS_AFTER_BUILDING - len(self.kernels)
+        self.kernels += [self._start_kernel() for _ in range(max(0, extra))]
+
+    def cancel(self):
+        for future in self.futures.values():
+            future.cancel()
+
+    def stop(self):
+        for _ in self.kernels:
+            self.ready.put((float("inf"), next(self.order), None, None, None))
+        for kernel in self.kernels:
+            kernel.join()
+
+
+@pytest.fixture(scope="session")
+def notebooks(request, tmp_path_factory):
+    """The NotebookRunner for the notebook tests this run selected; it runs nothing when
+    none is."""
     selected = [
         item.callspec.params["example"]
         for item in request.session.items
         if getattr(item, "originalname", None) == NOTEBOOK_TEST
     ]
-    if not selected:
-        yield {}
-        return
-    site = request.getfixturevalue("site")
-    recorded = read_times()
-    selected.sort(key=lambda example: -recorded.get(example.name, 60.0))
-    pool = ThreadPoolExecutor(NOTEBOOK_WORKERS)
-    futures = {
-        example: pool.submit(
-            execute_notebook,
-            downloaded(site, f"{example.stem}.ipynb"),
-            tmp_path_factory.mktemp(example.stem),
-        )
-        for example in selected
-    }
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+    runner = NotebookRunner(selected, tmp_path_factory)
+    yield runner
+    runner.cancel()
+    runner.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def running_notebooks(request, notebooks):
+    """{example: future of its run notebook}; with notebook tests selected, the site's build
+    starts before any test, so that their kernels start during it."""
+    if notebooks.futures:
+        request.getfixturevalue("site")
+    return notebooks.futures
 
 
 def built_site(tree):
@@ -135,7 +221,7 @@ def pytest_terminal_summary(terminalreporter):
         reverse=True,
     )
     terminalreporter.section(
-        "five slowest examples (from sphinx-gallery's execution times)"
+        "five slowest examples (sphinx-gallery's times: one thread, beside a kernel)"
     )
     for seconds, name in times[:5]:
         terminalreporter.write_line(f"{seconds:6.1f} s  {name}")

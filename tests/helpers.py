@@ -75,11 +75,16 @@ def copy_sources(destination: Path, examples=None) -> Path:
 
 
 def make(
-    tree: Path, *args: str, repository: str = TEST_REPOSITORY, timeout: float = 900
+    tree: Path,
+    *args: str,
+    repository: str = TEST_REPOSITORY,
+    timeout: float = 900,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the real front door, `make ...`, in `tree` with this interpreter."""
+    """Run the real front door, `make ...`, in `tree` with this interpreter (and, with `env`,
+    these environment variables too)."""
     command = ["make", "-C", str(tree), *args, f"PY={sys.executable}", "NEEDS="]
-    env = {**os.environ, "GITHUB_REPOSITORY": repository}
+    env = {**os.environ, "GITHUB_REPOSITORY": repository, **(env or {})}
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env
     )

@@ -24,10 +24,15 @@ from nbclient import NotebookClient
 
 
 @pytest.mark.parametrize("example", NOTEBOOK_EXAMPLES, ids=str)
-def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(running_notebooks, example):
-    # The notebooks started right after the site was built (conftest.py); this test runs last,
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(site, notebooks, example):
+    # Each notebook started as soon as the build wrote it (conftest.py); this test runs last,
     # waits for this one, and re-raises its first error.
-    notebook = running_notebooks[example].result()
+    notebook = notebooks.futures[example].result()
+    # What ran is what a reader downloads.
+    assert (
+        notebooks.ran_bytes[example]
+        == downloaded(site, f"{example.stem}.ipynb").read_bytes()
+    )
     errors = [
         out
         for cell in notebook.cells
