@@ -101,7 +101,14 @@ class Visit:
     """
 
     def __init__(
-        self, browser, base_url, path, viewport=None, expect_status=200, settle=True
+        self,
+        browser,
+        base_url,
+        path,
+        viewport=None,
+        expect_status=200,
+        settle=True,
+        wait=True,
     ):
         self.context = browser.new_context(
             viewport=viewport or {"width": 1280, "height": 900}
@@ -123,10 +130,19 @@ class Visit:
         if not settle:
             page.goto(base_url + path, wait_until="load")
             return
-        page.goto(base_url + path, wait_until="networkidle")
-        # Scroll to the end so that every image is requested, lazy or not.
-        page.evaluate("window.scrollTo(0, document.body.scrollHeight)")
-        page.wait_for_load_state("networkidle")
+        # The request is sent; with wait=False the caller starts other pages loading at the
+        # same time, then settles each (see `loaded`).
+        page.goto(base_url + path, wait_until="commit")
+        if wait:
+            self.settle()
+
+    def settle(self):
+        """Wait until the network is idle, scroll to the end so that every image is
+        requested, lazy or not, and wait again."""
+        self.page.wait_for_load_state("load")
+        self.page.wait_for_load_state("networkidle")
+        self.page.evaluate("window.scrollTo(0, document.body.scrollHeight)")
+        self.page.wait_for_load_state("networkidle")
 
     def _check_status(self, response):
         if response.url == self.address and response.status == self.expect_status:
@@ -179,11 +195,20 @@ def loaded(browser, base_url):
     """One desktop visit per page, shared by the tests that only read the loaded page.
 
     Rendering a long example page in software takes Chromium about two seconds, so the
-    tests that click, resize or inject scripts open their own visits instead.
+    tests that click, resize or inject scripts open their own visits instead. On first use
+    it loads every page of PAGES, LOADING_AT_ONCE at a time: their waits for an idle network
+    overlap.
     """
     visits = {}
 
     def open_once(path):
+        if not visits:
+            for start in range(0, len(PAGES), LOADING_AT_ONCE):
+                batch = PAGES[start : start + LOADING_AT_ONCE]
+                started = [Visit(browser, base_url, p, wait=False) for p in batch]
+                for page in started:
+                    page.settle()
+                visits.update(zip(batch, started))
         if path not in visits:
             visits[path] = Visit(browser, base_url, path)
         return visits[path]
@@ -193,6 +218,7 @@ def loaded(browser, base_url):
         opened.close()
 
 
+LOADING_AT_ONCE = 6
 EXAMPLE_PAGES = [f"auto_examples/{e.with_suffix('.html')}" for e in EXAMPLES]
 PAGES = [
     "index.html",
