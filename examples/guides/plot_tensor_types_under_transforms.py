@@ -2,11 +2,11 @@
 Tensor subclasses, float64 tangents, sparse tensors and autocast under torch.func
 =================================================================================
 
-Four questions: why a subclass loses its type and its ``__torch_function__`` rules inside
-``vmap``, ``grad`` and ``jacrev``; why ``jacfwd`` of ``x[0] + 1.0`` gives float64 tangents
-("expected m1 and m2 to have the same dtype"); why a sparse tensor built in a differentiated
-function raises "doesn't have storage"; that ``linearize`` under autocast can raise where
-``jvp`` works, and three fixes. Each symptom is asserted in torch 2.13, each fix checked.
+Why a subclass loses its type and its ``__torch_function__`` rules inside ``vmap``, ``grad`` and
+``jacrev``; that ``jacfwd`` of ``x[0] + 1.0`` has float64 tangents ("expected m1 and m2 to have the
+same dtype"), and of ``x ** (1 + 1j)`` no imaginary one; why a sparse tensor built in a function
+raises "doesn't have storage"; that ``linearize`` under autocast can raise where ``jvp`` works.
+Each symptom is asserted in torch 2.13, each fix checked.
 """
 
 import math
@@ -188,12 +188,7 @@ must_raise(lambda: wrap_inside(angles[0]), RuntimeError, "doesn't have storage")
 # ``hessian`` fail in the matrix product, because the tangent of ``0.5 * x[0]`` is float64, as
 # is that of ``x[0] + 1.0``, the older issues' case (in the table below).
 mixing = torch.randn(3, 4, device=device)
-
-
-def halve_first(x):
-    return torch.stack([0.5 * x[0], x[1], x[2]]) @ mixing
-
-
+halve_first = lambda x: torch.stack([0.5 * x[0], x[1], x[2]]) @ mixing  # noqa: E731
 point, same = torch.randn(3, device=device), "to have the same dtype"
 assert jacrev(halve_first)(point).dtype == torch.float32
 must_raise(lambda: jacfwd(halve_first)(point), RuntimeError, same, "jacfwd: ")
@@ -248,16 +243,38 @@ halve_linear = linearize(halve_first, point)[1]  # the third fix
 check("linearize(halve_first)", halve_linear(point), closed_form @ point.double(), 1e-6)
 
 # %%
+# ``x ** (1 + 1j)``, ``(1 + 1j) ** x``: ``jvp`` and ``jacfwd`` drop the imaginary tangent
+# ---------------------------------------------------------------------------------------
+# (pytorch#185639: ``abs(z) ** c``.) One side real, one complex: forward mode's tangent has no
+# imaginary part, silently; ``jacrev`` (real pairs out) is right. References: d/dx x^(1+i) =
+# (1+i)·x^i, d/dx (1+i)^x = log(1+i)·(1+i)^x. The fix: make the real side complex (``x + 0j``).
+base, pairs = torch.rand(4, device=device, dtype=f64) + 0.5, torch.view_as_real
+ones, log_1_plus_i = torch.ones_like(base), complex(math.log(2) / 2, math.pi / 4)
+powers = {"x ** (1 + 1j)": (lambda x: x ** (1 + 1j), (1 + 1j) * base**1j),
+          "(1 + 1j) ** x": (lambda x: (1 + 1j) ** x, log_1_plus_i * (1 + 1j) ** base)}  # fmt: skip
+for label, (power, slope) in powers.items():
+    on_pairs = lambda x: pairs(power(x))  # noqa: B023, E731
+    tangent = jvp(power, (base,), (ones,))[1]
+    by_jacfwd, by_jacrev = (
+        j(on_pairs)(base).diagonal(0, 0, 2).T for j in (jacfwd, jacrev)
+    )
+    lost = max(tangent.imag.abs().max(), by_jacfwd[:, 1].abs().max())
+    print(f"  {label}: the imaginary tangent by jvp and jacfwd, at most {lost:.1e}")
+    assert lost == 0 < slope.imag.abs().min(), "pytorch#185639 fixed?"
+    check(f"{label}, jacrev", by_jacrev, pairs(slope), 1e-14)
+    fixed = jvp(lambda x: power(x + 0j), (base,), (ones,))[1]  # noqa: B023
+    check(f"{label}, real side made complex", pairs(fixed), pairs(slope), 1e-14)
+
+# %%
 # A sparse tensor built inside the differentiated function
 # --------------------------------------------------------
-# (functorch#655.) Edge weights ``w`` of a graph mix a signal, ``tanh(A(w) @ x)``; edge
-# ``(2, 5)`` is listed twice, and a sparse tensor sums duplicates. In 2.13 ``grad`` and ``vjp``
-# accept :func:`torch.sparse_coo_tensor` built from ``w`` if given its size. Without it, or with
-# ``check_invariants=True``, the constructor reads values computed from the *indices* (not
-# ``w``) out of a transformed tensor, which has no memory (``.numpy()`` fails the same way in
-# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`).
-# ``jacrev``, ``vmap``, ``jvp`` fail. A matrix built *outside*, closed over: ``grad`` takes it,
-# ``jvp`` raises.
+# (functorch#655.) Edge weights ``w`` of a graph mix a signal, ``tanh(A(w) @ x)``; edge ``(2, 5)``
+# is listed twice, and a sparse tensor sums duplicates. In 2.13 ``grad`` and ``vjp`` accept
+# :func:`torch.sparse_coo_tensor` built from ``w`` if given its size. Without it, or with
+# ``check_invariants=True``, the constructor reads values computed from the *indices* (not ``w``)
+# out of a transformed tensor, which has no memory (``.numpy()`` fails the same way in
+# :ref:`sphx_glr_auto_examples_guides_plot_pitfalls.py`). ``jacrev``, ``vmap``, ``jvp`` fail. A
+# matrix built *outside*, closed over: ``grad`` takes it, ``jvp`` raises.
 nodes = 6
 heads = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 2], device=device)
 tails = torch.tensor([1, 2, 3, 4, 5, 0, 3, 5, 5], device=device)
@@ -344,13 +361,13 @@ assert last in (0.25, 0.5) and dense[2, 5] == 0.75
 # -------------------------------------------------------
 # (pytorch#172383 reports NaN, from a float16 reproduction on the CPU; here, in 2.13, it is an
 # error.) Differentiate ``tanh(F.linear(layer_norm(h; g), W))`` under :class:`torch.autocast`
-# (bfloat16, CPU) with respect to the LayerNorm weight ``g``, or to ``h`` (the same error):
-# ``h`` is bfloat16, as an earlier autocast layer gives; LayerNorm's parameters are float32.
-# ``jvp`` works; ``linearize`` raises while it traces. It runs plain forward AD
-# (``torch.autograd.forward_ad``), not ``jvp``, and plain forward AD raises the same:
-# LayerNorm's value is bfloat16, its tangent float32 (printed), and the matrix product meets
-# that tangent and a bfloat16 weight (how ``jvp`` gets past it, we did not trace). With a
-# float32 input ``linearize`` works, and keeps the casts: called with autocast off, bfloat16.
+# (bfloat16, CPU) with respect to the LayerNorm weight ``g``, or to ``h`` (the same error): ``h`` is
+# bfloat16, as an earlier autocast layer gives; LayerNorm's parameters are float32. ``jvp`` works;
+# ``linearize`` raises while it traces. It runs plain forward AD (``torch.autograd.forward_ad``),
+# not ``jvp``, and plain forward AD raises the same: LayerNorm's value is bfloat16, its tangent
+# float32 (printed), and the matrix product meets that tangent and a bfloat16 weight (how ``jvp``
+# gets past it, we did not trace). With a float32 input ``linearize`` works, and keeps the casts:
+# called with autocast off, bfloat16.
 amp, mixed = torch.bfloat16, "same dtype, but got: float != c10::BFloat16"
 w_lin = torch.randn(4, 8) / 8**0.5  # this section runs on the CPU
 gain, shift = 1 + 0.1 * torch.randn(8), 0.1 * torch.randn(8)
@@ -424,6 +441,7 @@ plt.show()
 #   wrapper built outside keeps its type and its rules under ``vmap(grad)`` and ``jacfwd``.
 # * In ``jvp`` and ``jacfwd``, a Python float in ``x[0] + 1.0``, ``0.5 * x[0]`` or ``loss * 0.5``
 #   gives a float64 tangent (not in ``x[0] ** 2.0``): use ``x.new_tensor(0.5)``, or ``jacrev``.
+#   A power with one side real, one complex, loses its imaginary tangent: use ``x + 0j``.
 # * A sparse tensor built inside needs ``size=``, then works under ``grad`` and ``vjp``, not
 #   ``vmap``, ``jacrev``, ``jvp``; one closed over fails under ``jvp``. ``index_add`` works.
 # * ``linearize`` runs plain forward AD, not ``jvp``: under autocast it can raise where ``jvp``
