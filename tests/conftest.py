@@ -186,12 +186,11 @@ def notebooks(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def running_notebooks(request, notebooks):
-    """{example: future of its run notebook}; with notebook tests selected, the site's build
-    starts before any test, so that their kernels start during it."""
+def site_first_when_notebooks_run(request, notebooks):
+    """With notebook tests selected, the site's build starts before any test, so that their
+    kernels start during it."""
     if notebooks.futures:
         request.getfixturevalue("site")
-    return notebooks.futures
 
 
 def built_site(tree):
