@@ -220,7 +220,7 @@ def pytest_terminal_summary(terminalreporter):
         reverse=True,
     )
     terminalreporter.section(
-        "five slowest examples (sphinx-gallery's times: one thread, beside a kernel)"
+        "five slowest examples (sphinx-gallery's times; the build ran on one thread)"
     )
     for seconds, name in times[:5]:
         terminalreporter.write_line(f"{seconds:6.1f} s  {name}")
