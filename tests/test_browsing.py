@@ -382,6 +382,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             {"plot_troubleshooting_batch_assumed"},
         ),
         ("expected 4D input (got 3D input)", {"plot_troubleshooting_batch_assumed"}),
+        (
+            "Trying to use forward AD with mkldnn_rnn_layer",
+            {"plot_troubleshooting_lstm_and_one_hot"},
+        ),
+        (
+            "Cannot call numel() on tensor with symbolic sizes",
+            {"plot_troubleshooting_lstm_and_one_hot"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

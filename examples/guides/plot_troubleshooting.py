@@ -5,13 +5,14 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box: each title begins with the message's first words as
 PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
 asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
-some. Parts 2 to 15: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
+some. Parts 2 to 16: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
 :doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
 :doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
 :doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
 :doc:`plot_troubleshooting_escaped_tensors`, :doc:`plot_troubleshooting_refused_modules_and_nan`,
 :doc:`plot_troubleshooting_batched_linalg`, :doc:`plot_troubleshooting_training_through_jvp`,
-:doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`.
+:doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`,
+:doc:`plot_troubleshooting_lstm_and_one_hot`.
 """
 
 import contextlib
@@ -76,6 +77,8 @@ with raises(RuntimeError, "would mutate a captured Tensor"):
 # The fix the message suggests: pass the buffers in, as an argument not differentiated. They
 # are updated once per call (the running mean to 0.9 times itself plus 0.1 times the batch mean),
 # and each output depends on every sample, through the batch statistics (checked by autograd).
+# ``vjp`` has no ``argnums``: there, clone them inside the function and return them as ``aux``
+# (:doc:`../models_as_functions/plot_functional_call_in_practice`, "Buffers").
 net[1].running_mean.normal_()  # as if from earlier batches
 state = {name: t.detach().clone() for name, t in net.state_dict().items()}
 jac = jacrev(lambda s, x: functional_call(net, s, (x,)), argnums=1)(state, batch)
@@ -331,12 +334,8 @@ sqrt_or_zero = lambda x: torch.where(x > 0, x.sqrt(), 0.0)  # noqa: E731
 safe = lambda x: torch.where(x > 0, torch.where(x > 0, x, 1.0).sqrt(), 0.0)  # noqa: E731
 points = torch.tensor([0.0, 4.0], **f64)
 assert vmap(grad(sqrt_or_zero))(points)[0].isnan()  # d√x at 0 is infinite, times 0: NaN
-agree(
-    "torch.where, input guarded too",
-    vmap(grad(safe))(points),
-    torch.tensor([0, 0.25], **f64),
-    1e-15,
-)
+agree("torch.where, input guarded too", vmap(grad(safe))(points),
+      torch.tensor([0, 0.25], **f64), 1e-15)  # fmt: skip
 
 # %%
 # vmap: It looks like you're calling .item() on a Tensor

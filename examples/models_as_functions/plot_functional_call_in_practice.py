@@ -4,12 +4,12 @@
 
 :func:`~torch.func.functional_call` runs an ordinary module with tensors you hand it. On a small
 classifier with Dropout and BatchNorm, this page answers the questions users ask about it: does
-it follow ``model.train()`` and ``model.eval()``, where do BatchNorm's running statistics go,
-how does a ``torch.optim`` optimiser take gradients from :func:`~torch.func.grad`, and how does
-``torch.func.grad``'s time compare with ``loss.backward()``'s on a small model. Each answer is
-checked; then the routes are timed, and the time ``func.grad`` adds over ``autograd.grad`` is
-split: the transform alone, ``functional_call``'s swap, a remainder. From ``make_functional``:
-:ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
+it follow ``model.train()`` and ``model.eval()``, where do BatchNorm's running statistics go
+(under ``grad`` and ``vjp`` too), how does a ``torch.optim`` optimiser take gradients from
+:func:`~torch.func.grad`, and how does ``func.grad``'s time compare with ``loss.backward()``'s.
+Each answer is checked; then the routes are timed, and the time ``func.grad`` adds over
+``autograd.grad`` is split: the transform alone, ``functional_call``'s swap, a remainder. From
+``make_functional``: :ref:`sphx_glr_auto_examples_guides_plot_functorch_migration.py`.
 """
 
 # %%
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, grad_and_value
+from torch.func import functional_call, grad, grad_and_value, vjp
 from torch.utils import benchmark
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -158,9 +158,8 @@ assert all(torch.equal(t, own[name]) for name, t in model.state_dict().items())
 print("the dict's statistics moved; the module's own did not")
 
 # %%
-# A name the dict lacks falls back to the module's own tensor, and then *that* is written: pass
-# the parameters alone, and the module's own running statistics move. To keep what a training
-# run learnt, keep the dict, or ``load_state_dict`` it into the module when done.
+# A name the dict lacks falls back to the module's own tensor, which is then written. To keep
+# what a training run learnt, keep the dict, or ``load_state_dict`` it into the module when done.
 functional_call(model, params, (inputs,))
 assert model.norm.num_batches_tracked == own["norm.num_batches_tracked"] + 1
 assert not torch.equal(model.norm.running_mean, own["norm.running_mean"])
@@ -171,10 +170,9 @@ model.load_state_dict(own)  # back to where it was
 # %%
 # Under :func:`~torch.func.grad`, pass the buffers as an argument that is not differentiated:
 # they are updated in place as above, once per call. Left to the module (captured), they fail:
-# BatchNorm's ``num_batches_tracked.add_(1)`` raises "would mutate a captured Tensor", naming
-# ``aten::add_`` (:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py` covers it, and
-# ``vmap`` over single samples). In the differentiated dict they fail otherwise:
-# ``num_batches_tracked`` is an integer, and only floating tensors can require gradients.
+# ``num_batches_tracked.add_(1)`` raises "would mutate a captured Tensor"
+# (:ref:`sphx_glr_auto_examples_guides_plot_troubleshooting.py`). In the differentiated dict they
+# fail otherwise: ``num_batches_tracked`` is an integer; only floating tensors require gradients.
 def batch_loss(params, buffers, x, y):
     return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
 
@@ -183,15 +181,36 @@ buffers = {name: t.clone() for name, t in other.items() if name not in params}
 grad(batch_loss)(params, buffers, inputs, labels)
 close_to("under grad: running_mean", buffers["norm.running_mean"], new_mean, 1e-6)
 assert buffers["norm.num_batches_tracked"] == other["norm.num_batches_tracked"] + 1
+transforms = {"grad": lambda f, given: grad(f)(given), "vjp": vjp}  # vjp: see below
 for given, says in [(params, "(aten::add_.Tensor) that would mutate a captured Tensor"),
                     (params | buffers, "only Tensors of floating point dtype")]:  # fmt: skip
-    try:  # buffers left to the module, then buffers in the differentiated dict
-        grad(lambda merged: batch_loss(merged, {}, inputs, labels))(given)
-        raise AssertionError(f"grad ran, though expected to raise {says!r}")
-    except RuntimeError as refusal:
-        assert says in str(refusal), refusal
-        where = "left to the module" if given is params else "differentiated"
-        print(f"buffers {where}: RuntimeError: {str(refusal).split('. ')[0]}")
+    how = "left to the module" if given is params else "differentiated"
+    for name, transform in transforms.items():
+        try:
+            transform(lambda merged: batch_loss(merged, {}, inputs, labels), given)
+            raise AssertionError(f"{name} ran, though expected to raise {says!r}")
+        except RuntimeError as refusal:
+            assert says in str(refusal), refusal
+            print(f"{name}, buffers {how}: RuntimeError:", str(refusal).split(". ")[0])
+
+
+# %%
+# :func:`~torch.func.vjp` has no ``argnums`` and differentiates every primal: buffers fail as a
+# primal (the second case) and in a closure (the first). Clone them inside, return the clones as
+# ``aux``. Reference: ``backward()`` through a loaded copy of the module, same seed and cotangent.
+def forward_and_state(params):
+    state = {name: t.clone() for name, t in other.items() if name not in params}
+    return functional_call(model, (params, state), (inputs,)), state
+
+
+out, pull_back, state = seeded(9, lambda: vjp(forward_and_state, params, has_aux=True))
+cotangent, module_copy = torch.randn_like(out), copy.deepcopy(loaded).train()
+seeded(9, lambda: module_copy(inputs)).backward(cotangent)
+(grads,) = pull_back(cotangent)
+for name, weight in module_copy.named_parameters():
+    close_to(f"vjp, {name}", grads[name], weight.grad, 1e-6)
+close_to("vjp's aux, running_var", state["norm.running_var"],
+         module_copy.norm.running_var, 1e-6)  # fmt: skip
 
 # %%
 # Names: ``strict=True``, and tied weights
@@ -214,9 +233,8 @@ except RuntimeError as refusal:
     print("strict=True: RuntimeError:", " ".join(str(refusal).split()))
 
 # %%
-# With ``tie_weights=True`` (the default) a tensor passed under one name of a tied parameter is used
-# under all of them: here two layers share one weight, listed once by ``named_parameters()`` as
-# ``0.weight``.
+# With ``tie_weights=True`` (the default) a tensor passed under one name of a tied parameter
+# serves all of them: here two layers share one weight, listed once, as ``0.weight``.
 first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
 second.weight = first.weight
 tied = nn.Sequential(first, nn.Tanh(), second).to(device)
@@ -229,9 +247,8 @@ close_to("tied: one tensor for both names", functional_call(tied, {"0.weight": w
 # ----------------------------------------------------------------
 # An optimiser takes any leaf tensors, here the dict's own (they need not require grad). Each
 # step writes the gradients into their ``.grad`` and calls ``step()``, which updates them in
-# place; BatchNorm updates the buffers' dict. Reference: a copy trained with ``loss.backward()``,
-# the same optimiser, batches and seeds, each tensor compared after each step. Training a subset:
-# :ref:`sphx_glr_auto_examples_models_as_functions_plot_choosing_what_to_differentiate.py`.
+# place. Reference: a copy trained with ``loss.backward()``, same optimiser, batches and seeds,
+# each tensor after each step. Training a subset: :doc:`plot_choosing_what_to_differentiate`.
 batches = [(torch.randn(32, FEATURES).to(device), torch.randint(0, CLASSES, (32,)).to(device))
            for _ in range(6)]  # fmt: skip
 
@@ -283,28 +300,13 @@ worst_after_each_step("Adam on the dict", states,
                       ordinary_training(lambda p: torch.optim.Adam(p, lr=1e-2)), 1e-6)  # fmt: skip
 
 # %%
-# Or no optimiser object: plain SGD builds a new dict each step, ``θ ← θ − lr·g``. The
-# reference is ``torch.optim.SGD`` with the same learning rate.
-by_hand = {name: t.clone() for name, t in params.items()}
-running = {name: t.clone() for name, t in other.items() if name not in params}
-states = []
-for step, (x, y) in enumerate(batches):
-    torch.manual_seed(100 + step)
-    grads = grad(batch_loss)(by_hand, running, x, y)
-    by_hand = {name: t - 0.1 * grads[name] for name, t in by_hand.items()}
-    states.append(by_hand | {name: t.clone() for name, t in running.items()})
-worst_after_each_step("SGD by hand", states,
-                      ordinary_training(lambda p: torch.optim.SGD(p, lr=0.1)), 1e-6)  # fmt: skip
-
-# %%
 # How fast is it?
 # ---------------
-# Eight routes, in training mode, six of them on the model. Forward only: the module's own call, and
-# ``functional_call`` with the module's own parameters. One gradient of the batch loss:
-# ``loss.backward()`` (after clearing ``.grad``), :func:`torch.autograd.grad`, ``func.grad``,
-# ``func.grad_and_value``. To split ``func.grad``'s extra time, the model in ``torch.nn.functional``
-# alone ("plain", its gradients checked against the module's, same seed) is differentiated by both
-# ``grad`` functions.
+# Eight routes, in training mode. Forward only: the module's own call, and ``functional_call``
+# with its own parameters. One gradient of the batch loss: ``loss.backward()`` (after clearing
+# ``.grad``), :func:`torch.autograd.grad`, ``func.grad``, ``func.grad_and_value``. To split
+# ``func.grad``'s extra time, the model in ``torch.nn.functional`` alone ("plain", its gradients
+# checked against the module's, same seed) is differentiated by both ``grad`` functions.
 weights = dict(model.named_parameters())
 detached = {name: t.detach() for name, t in weights.items()}  # or grad builds a graph
 SIZES, ROUNDS = [4, 64, 512, 4096], 9
@@ -403,9 +405,7 @@ for b in ("autograd.grad", "loss.backward()"):
 # ``func.grad`` minus ``autograd.grad``, split per round at the size where it varies least: the
 # transform alone (the two on the plain function); ``functional_call``'s swap (minus the module
 # call, timed *outside* the transform, though in ``func.grad`` it runs under it); the remainder.
-# Each is summarised over rounds on its own, so medians need not add up. What the transform's
-# own time is made of (work per call, or per operation the function runs) is not timed apart
-# here: time ``grad`` against ``autograd.grad`` on your own function, as above.
+# Each is summarised over rounds on its own, so medians need not add up.
 whole = {size: per_round("func.grad", "autograd.grad", size) for size in SIZES}
 at = min(SIZES, key=lambda size: np.subtract(*np.percentile(whole[size], [75, 25])))
 alone = per_round("plain func.grad", "plain autograd.grad", at)
@@ -442,8 +442,8 @@ plt.show()
 #   module's own ``train()``/``eval()`` flag; seed the global generator to repeat Dropout.
 # * In training mode BatchNorm writes its running statistics in place into the tensors you
 #   passed; names you did not pass fall back to the module's own, which are then written.
-# * Pass buffers as a dict that ``grad`` does not differentiate; use ``strict=True`` to catch a
-#   misspelt name, which is otherwise ignored.
+# * Pass buffers as a dict that ``grad`` does not differentiate; under ``vjp`` (no ``argnums``)
+#   clone them inside and return them as ``aux``. ``strict=True`` catches a misspelt name.
 # * ``grad_and_value`` plus ``.grad = g`` and ``optimiser.step()`` on the dict's tensors trains
 #   as ``loss.backward()`` does, step for step (same seeds for Dropout).
 # * What ``func.grad`` adds on your model: time it against ``autograd.grad`` in rounds, read the

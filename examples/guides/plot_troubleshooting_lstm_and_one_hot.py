@@ -1,0 +1,260 @@
+"""
+Troubleshooting, part 16: an LSTM's weights under functional_call, its forward mode, one_hot
+=============================================================================================
+
+Three reports users find when they search an error, re-run on torch 2.13: an ``nn.LSTM`` under
+``functional_call`` that silently used its own weights, not the ones passed (pytorch#90500);
+"Trying to use forward AD with mkldnn_rnn_layer" from ``jacfwd`` of an LSTM on the CPU
+(pytorch#103161); "Cannot call numel() on tensor with symbolic sizes" from ``F.one_hot`` in a
+compiled ``jacfwd`` (pytorch#160752). Each: the report, what 2.13 does (against the LSTM written by
+hand in float64, float64 autograd, or a closed form), the fix or workaround, checked, and a test
+for your release. Part 1: :doc:`plot_troubleshooting`; recurrent layers under ``vmap``:
+:doc:`../per_sample_gradients/plot_per_sample_grads_recurrent`.
+"""
+
+import copy
+import textwrap
+import warnings
+from unittest import TestCase
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.func import functional_call, grad, jacfwd, jacrev
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+cpu = torch.device("cpu")  # for the LSTM sections: the CPU's kernel, and Python
+torch.manual_seed(0)
+print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
+measured = {}  # label: (error, bound), for the figure at the end
+
+
+def gap_to(label, got, want, bound):
+    """Asserts got matches want (shape, then largest gap / largest entry); prints both."""
+    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)}, {want.shape}"
+    scale = want.abs().max().clamp_min(1e-300)
+    gap = ((got.double() - want.double()).abs().max() / scale).item()
+    assert gap <= bound, f"{label}: {gap:.1e} > {bound:.0e}"
+    return gap
+
+
+def each_tensor(label, got, want, bound):
+    """gap_to for each named tensor; the largest gap is printed and kept for the figure."""
+    assert got.keys() == want.keys(), f"{label}: {sorted(got)} vs {sorted(want)}"
+    gaps = {n: gap_to(f"{label}, {n}", got[n], want[n], bound) for n in want}
+    worst = max(gaps, key=gaps.get)
+    print(f"  {label}: largest error {gaps[worst]:.1e} ({worst}; bound {bound:.0e})")
+    measured[label] = gaps[worst], bound
+
+
+# %%
+# (No error) an LSTM under functional_call computes with its own weights, not yours
+# ---------------------------------------------------------------------------------
+# pytorch#90500 (2022, a silent correctness bug): gradients with respect to the dict passed to
+# ``functional_call`` came out wrong for an ``nn.LSTM`` between two linear layers. The thread's
+# account: the LSTM computes with ``self._flat_weights``, a list of its own weights, not with
+# the names ``functional_call`` swaps; PR #91111 makes ``forward`` rebuild the list when the
+# parameters are other tensors (which release first had it, the thread does not say). On 2.13:
+# a dict far from the module's own weights, ``torch.autograd.grad`` and ``torch.func.grad``,
+# against the network written out by hand in float64.
+class Encoder(nn.Module):  # the report's: linear, LSTM, linear on the last step
+    def __init__(self, features=4, hidden=3):
+        super().__init__()
+        self.embed = nn.Linear(features, features)
+        self.lstm = nn.LSTM(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, hidden)
+
+    def forward(self, steps):
+        states, _ = self.lstm(self.embed(steps))
+        return self.head(states[:, -1])
+
+
+encoder, sequences = Encoder().to(cpu), torch.randn(3, 5, 4)  # float32, as reported
+yours = {name: (p.detach() + 0.5 * torch.randn_like(p)).requires_grad_()
+         for name, p in encoder.named_parameters()}  # fmt: skip
+
+
+def loss_through(module, params):
+    return functional_call(module, params, (sequences,)).square().sum()
+
+
+by_autograd = torch.autograd.grad(loss_through(encoder, yours), list(yours.values()))
+by_func_grad = grad(lambda p: loss_through(encoder, p))(yours)
+
+
+def encoder_by_hand(p, x):
+    """The same network in tensor algebra; an LSTM's four gates come in the order i, f, g, o."""
+    embedded = x @ p["embed.weight"].T + p["embed.bias"]
+    h = c = x.new_zeros(x.shape[0], p["lstm.weight_hh_l0"].shape[1])
+    for t in range(x.shape[1]):
+        gates = embedded[:, t] @ p["lstm.weight_ih_l0"].T + p["lstm.bias_ih_l0"]
+        gates = gates + h @ p["lstm.weight_hh_l0"].T + p["lstm.bias_hh_l0"]
+        i, f, g, o = gates.chunk(4, dim=1)
+        c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+        h = o.sigmoid() * c.tanh()
+    return h @ p["head.weight"].T + p["head.bias"]
+
+
+in_float64 = {name: p.detach().double().requires_grad_() for name, p in yours.items()}
+exact = encoder_by_hand(in_float64, sequences.double()).square().sum()
+wanted = dict(zip(yours, torch.autograd.grad(exact, list(in_float64.values()))))
+by_autograd = dict(zip(yours, by_autograd))
+each_tensor("functional_call + autograd.grad", by_autograd, wanted, 2e-6)
+each_tensor("functional_call + func.grad", by_func_grad, wanted, 2e-6)
+
+# %%
+# What the bug would look like: the gradients at the module's own weights, which a stale list
+# would have used, are far from those at yours. The check catches it by a wide margin.
+own = {name: p.detach() for name, p in encoder.named_parameters()}
+at_own = grad(lambda p: loss_through(encoder, p))(own)
+stale = max(gap_to(f"own, {n}", at_own[n], wanted[n], float("inf")) for n in wanted)
+print(f"  gradients at the module's own weights, against yours: error {stale:.2f}")
+assert stale > 0.1, stale
+
+# %%
+# The test for your release, without writing the network by hand: a copy of the module that
+# *loaded* your dict (``load_state_dict`` copies into the module's own tensors, which the
+# list holds) and ``backward()`` give the gradients with no ``functional_call`` involved.
+loaded = copy.deepcopy(encoder)
+loaded.load_state_dict({name: p.detach() for name, p in yours.items()})
+loaded(sequences).square().sum().backward()
+from_loaded = {name: p.grad for name, p in loaded.named_parameters()}
+each_tensor("your release: func.grad vs a loaded copy", by_func_grad, from_loaded, 1e-6)
+
+
+# %%
+# Trying to use forward AD with mkldnn_rnn_layer that does not support it
+# -----------------------------------------------------------------------
+# A ``NotImplementedError`` from ``jacfwd``, ``jvp`` or ``hessian`` of an LSTM in float32 on
+# the CPU: there the module runs oneDNN's ``aten::mkldnn_rnn_layer`` (when oneDNN is available
+# and enabled), an operator with no forward-mode formula. It is the ``jacfwd`` cell of
+# pytorch#103161 (open when read; its ``jacrev`` cell runs on the CPU). The fixes: reverse mode
+# (``jacrev``, or ``grad`` for a scalar), or ``torch.backends.mkldnn.flags(enabled=False)``
+# around the call, which sends the LSTM through its ordinary operators. In float64 the LSTM does
+# not take the oneDNN route, and ``jacfwd`` runs. Reference: float64 ``torch.autograd.grad``.
+lstm = nn.LSTM(4, 3, batch_first=True).to(cpu)
+weights = {name: p.detach() for name, p in lstm.named_parameters()}
+
+
+def mean_output(params, dtype=torch.float32):
+    return functional_call(lstm, params, (sequences.to(dtype),))[0].mean()
+
+
+in_float64 = {name: p.double().requires_grad_() for name, p in weights.items()}
+exact = dict(zip(weights, torch.autograd.grad(mean_output(in_float64, torch.float64),
+                                              list(in_float64.values()))))  # fmt: skip
+
+
+onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+if onednn:  # the error's type and first words, asserted
+    try:
+        jacfwd(mean_output)(weights)
+        raise AssertionError(f"torch {torch.__version__}: jacfwd ran through oneDNN")
+    except NotImplementedError as refusal:
+        message = " ".join(str(refusal).split())
+        assert type(refusal) is NotImplementedError, type(refusal)
+        assert message.startswith("Trying to use forward AD with mkldnn_rnn"), message
+        print(f"  NotImplementedError: {textwrap.shorten(message, 96)}")
+# ``quiet`` first: entering the flags warns of TF32 on Intel GPUs.
+quiet = warnings.catch_warnings(action="ignore", category=UserWarning)
+with quiet, torch.backends.mkldnn.flags(enabled=False):
+    each_tensor("jacfwd, oneDNN off", jacfwd(mean_output)(weights), exact, 2e-6)
+each_tensor("jacrev, as it runs", jacrev(mean_output)(weights), exact, 2e-6)
+each_tensor("jacfwd in float64", jacfwd(mean_output)(
+    {name: p.double() for name, p in weights.items()}, torch.float64), exact, 1e-13)  # fmt: skip
+
+
+# %%
+# Cannot call numel() on tensor with symbolic sizes/strides: one_hot in a compiled jacfwd
+# ---------------------------------------------------------------------------------------
+# pytorch#160752 (2025, torch 2.8): ``x.square() * F.one_hot(labels, 3)`` under ``jacfwd``
+# runs in eager mode, and raises this ``RuntimeError`` once compiled with
+# ``torch.compile(..., dynamic=True)``, from ``at::native::one_hot``. PR #160837 blames the
+# rule that maps ``one_hot`` under ``vmap`` (zeros, then a scatter) and proposes ``==`` against
+# ``arange`` instead; 2.13 has a Python decomposition of ``one_hot`` built that way
+# (``torch/_decomp/decompositions.py``), but the thread does not say which change closed it.
+# On 2.13 the report's code runs and matches the closed form: the Jacobian of
+# ``x[b, c]² · onehot[b, c]`` is diagonal, with ``2 x[b, c] · onehot[b, c]`` on the diagonal.
+CLASSES = 3
+
+
+def weighted(x, labels):
+    return x.square() * F.one_hot(labels, CLASSES)
+
+
+def weighted_by_comparison(x, labels):  # the workaround: a one-hot from == and arange
+    classes = torch.arange(CLASSES, device=labels.device)
+    return x.square() * (labels[:, None] == classes).to(x.dtype)
+
+
+def closed_form(x, labels):
+    hot = (labels[:, None] == torch.arange(CLASSES, device=device)).to(x.dtype)
+    return torch.diag((2 * x * hot).flatten()).reshape(*x.shape, *x.shape)
+
+
+graphs, reasons = {}, []
+torch._logging.set_logs(recompiles=True)  # why a graph compiles again, as a log record
+for name, f in [("F.one_hot", weighted), ("== arange", weighted_by_comparison)]:
+    torch._dynamo.reset()  # one code object for both lambdas: start each case afresh
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda x, labels, f=f: jacfwd(f)(x, labels),
+                             dynamic=True, backend=counter)  # fmt: skip
+    recompiles = TestCase().assertLogs("torch._dynamo.guards.__recompiles", "DEBUG")
+    with recompiles as logged, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*_prims_common.check")  # fmt: skip
+        for batch in (37, 20):
+            x = torch.rand(batch, CLASSES, dtype=torch.float64, device=device)
+            labels = torch.randint(CLASSES, (batch,), device=device)
+            error = gap_to(name, compiled(x, labels), closed_form(x, labels), 1e-15)
+            measured[f"compiled jacfwd, {name}, batch {batch}"] = error, 1e-15
+    graphs[name] = counter.frame_count
+    reasons += [line.strip() for r in logged.output for line in r.splitlines()
+                if "size mismatch" in line]  # fmt: skip
+    print(f"  {name}: the closed form at batches 37 and 20; {graphs[name]} graphs")
+torch._logging.set_logs()
+torch._dynamo.reset()
+
+# %%
+# Two graphs for two batch sizes, though ``dynamic=True``: the recompile log (the records
+# ``TORCH_LOGS=recompiles`` prints) names a guard on the batch size of ``x``, which under
+# ``jacfwd`` stays fixed; ``vmap(grad)`` compiles once (:doc:`plot_compile_and_transforms`). For
+# a release that raises: build the one-hot with ``==`` and ``arange`` as above, or compute it
+# outside the compiled function and pass it in, or compile with ``dynamic=False``.
+print("  why the second graph:", *sorted(set(reasons)), sep="\n    ")
+assert graphs == {"F.one_hot": 2, "== arange": 2}, graphs
+assert len(reasons) == 2, reasons
+assert all("'x' size mismatch at index 0. expected 37, actual 20" in r for r in reasons)
+# pytorch#181175 (2026) raised the same words from ``torch.func.grad`` over ``ConvTranspose2d``
+# compiled with ``dynamic=True``, in the convolution's double backward; PR #184659 removes the
+# fixed-size checks there. Not re-run here.
+
+
+# %%
+# How far each check is from failing
+# ----------------------------------
+# Each check's margin: its bound over its largest error against the hand-written, float64 or
+# closed-form reference. A check fails left of the line at 1; an exact match is drawn at 1e12.
+EXACT = 1e12
+margins = {name: b / e if e else EXACT for name, (e, b) in measured.items()}
+fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+ax.barh(list(margins), list(margins.values()), color="0.6")
+ax.axvline(1, color="black", linewidth=1)
+ax.set(xscale="log", xlim=(0.3, 3 * EXACT), xlabel="bound / largest error (log scale)")
+ax.set_title(f"{len(margins)} checks, {device.type}, torch {torch.__version__}")
+ax.invert_yaxis()
+plt.show()
+
+# %%
+# What to remember
+# ----------------
+# - On 2.13, ``functional_call`` on an ``nn.LSTM`` uses the weights you pass. To test your
+#   release, compare with a copy of the module that loaded your dict, differentiated by
+#   ``backward()``; at the module's own weights the gradients differ by far.
+# - "Trying to use forward AD with mkldnn_rnn_layer": forward mode through oneDNN's LSTM, in
+#   float32 on the CPU. Use ``jacrev`` or ``grad``, or ``jacfwd`` inside
+#   ``torch.backends.mkldnn.flags(enabled=False)``.
+# - ``F.one_hot`` inside a compiled ``jacfwd`` with ``dynamic=True`` runs on 2.13; on a release
+#   that raises "Cannot call numel()", build it with ``==`` and ``arange``, or pass it in. Under
+#   ``jacfwd`` each batch size compiles its own graph all the same.
