@@ -6,9 +6,10 @@ Three reports users find when they search an error, re-run on torch 2.13: an ``n
 ``functional_call`` that silently used its own weights, not the ones passed (pytorch#90500);
 "Trying to use forward AD with mkldnn_rnn_layer" from ``jacfwd`` of an LSTM on the CPU
 (pytorch#103161); "Cannot call numel() on tensor with symbolic sizes" from ``F.one_hot`` in a
-compiled ``jacfwd`` (pytorch#160752). Each: the report, what 2.13 does (against the LSTM written by
-hand in float64, float64 autograd, or a closed form), the fix or workaround, checked, and a test
-for your release. Part 1: :doc:`plot_troubleshooting`; recurrent layers under ``vmap``:
+compiled ``jacfwd`` (pytorch#160752), and ``F.one_hot`` under ``vmap(grad)``, which 2.13 still
+refuses. Each: what 2.13 does, against the LSTM written by hand in float64, float64 autograd, a
+closed form or a loop; the fix, checked where 2.13 can run it; a test for your release. Part 1:
+:doc:`plot_troubleshooting`; recurrent layers under ``vmap``:
 :doc:`../per_sample_gradients/plot_per_sample_grads_recurrent`.
 """
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.func import functional_call, grad, jacfwd, jacrev
+from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 cpu = torch.device("cpu")  # for the LSTM sections: the CPU's kernel, and Python
@@ -50,15 +51,14 @@ def each_tensor(label, got, want, bound):
 
 
 # %%
-# (No error) an LSTM under functional_call computes with its own weights, not yours
-# ---------------------------------------------------------------------------------
-# pytorch#90500 (2022, a silent correctness bug): gradients with respect to the dict passed to
-# ``functional_call`` came out wrong for an ``nn.LSTM`` between two linear layers. The thread's
-# account: the LSTM computes with ``self._flat_weights``, a list of its own weights, not with
-# the names ``functional_call`` swaps; PR #91111 makes ``forward`` rebuild the list when the
-# parameters are other tensors (which release first had it, the thread does not say). On 2.13:
-# a dict far from the module's own weights, ``torch.autograd.grad`` and ``torch.func.grad``,
-# against the network written out by hand in float64.
+# (No error) an LSTM under functional_call used its own weights, not yours: fixed
+# -------------------------------------------------------------------------------
+# pytorch#90500 (2022, silent): gradients with respect to the dict passed to ``functional_call``
+# came out wrong for an ``nn.LSTM``. The thread's account: the LSTM computed with
+# ``self._flat_weights``, a list of its own weights, not the names ``functional_call`` swaps; PR
+# #91111 rebuilds the list in ``forward`` when the parameters are other tensors (which release
+# first had it, the thread does not say). On 2.13: a dict far from the module's own, by
+# ``torch.autograd.grad`` and ``torch.func.grad``, against the network by hand in float64.
 class Encoder(nn.Module):  # the report's: linear, LSTM, linear on the last step
     def __init__(self, features=4, hidden=3):
         super().__init__()
@@ -105,23 +105,34 @@ each_tensor("functional_call + autograd.grad", by_autograd, wanted, 2e-6)
 each_tensor("functional_call + func.grad", by_func_grad, wanted, 2e-6)
 
 # %%
-# What the bug would look like: the gradients at the module's own weights, which a stale list
-# would have used, are far from those at yours. The check catches it by a wide margin.
-own = {name: p.detach() for name, p in encoder.named_parameters()}
-at_own = grad(lambda p: loss_through(encoder, p))(own)
-stale = max(gap_to(f"own, {n}", at_own[n], wanted[n], float("inf")) for n in wanted)
-print(f"  gradients at the module's own weights, against yours: error {stale:.2f}")
-assert stale > 0.1, stale
-
-# %%
 # The test for your release, without writing the network by hand: a copy of the module that
-# *loaded* your dict (``load_state_dict`` copies into the module's own tensors, which the
-# list holds) and ``backward()`` give the gradients with no ``functional_call`` involved.
+# *loaded* your dict (``load_state_dict`` copies into the module's own tensors, which the list
+# holds) and ``backward()`` give the gradients with no ``functional_call`` involved. Before
+# torch 2.0 (no ``torch.func``): ``torch.nn.utils.stateless.functional_call`` and
+# ``torch.autograd.grad``, the first route above, compared the same way.
 loaded = copy.deepcopy(encoder)
 loaded.load_state_dict({name: p.detach() for name, p in yours.items()})
 loaded(sequences).square().sum().backward()
 from_loaded = {name: p.grad for name, p in loaded.named_parameters()}
-each_tensor("your release: func.grad vs a loaded copy", by_func_grad, from_loaded, 1e-6)
+each_tensor("your release: func.grad vs loaded", by_func_grad, from_loaded, 1e-6)
+each_tensor("your release: autograd.grad vs loaded", by_autograd, from_loaded, 1e-6)
+
+# %%
+# What the bug looks like, and that the test sees it. In 2.13 the LSTM's ``forward`` calls
+# ``_update_flat_weights``, which rebuilds the list when its weights are other tensors
+# (``_weights_have_changed``, in ``torch/nn/modules/rnn.py``). Made to do nothing, for this block
+# only, it leaves the list stale: the LSTM computes with its own weights, the gradients with
+# respect to yours are zeros for the LSTM, and the rest are off too.
+rebuild = nn.RNNBase._update_flat_weights
+nn.RNNBase._update_flat_weights = lambda self: None
+try:
+    stale = grad(lambda p: loss_through(encoder, p))(yours)
+finally:
+    nn.RNNBase._update_flat_weights = rebuild
+zeros = [name for name, g in stale.items() if not g.any()]
+off = max(gap_to(f"stale, {n}", stale[n], from_loaded[n], float("inf")) for n in stale)
+print(f"  with a stale list: zero gradients for {zeros}; largest error {off:.2f}")
+assert zeros == [n for n in stale if n.startswith("lstm.")] and off > 0.5, (zeros, off)
 
 
 # %%
@@ -129,8 +140,9 @@ each_tensor("your release: func.grad vs a loaded copy", by_func_grad, from_loade
 # -----------------------------------------------------------------------
 # A ``NotImplementedError`` from ``jacfwd``, ``jvp`` or ``hessian`` of an LSTM in float32 on
 # the CPU: there the module runs oneDNN's ``aten::mkldnn_rnn_layer`` (when oneDNN is available
-# and enabled), an operator with no forward-mode formula. It is the ``jacfwd`` cell of
-# pytorch#103161 (open when read; its ``jacrev`` cell runs on the CPU). The fixes: reverse mode
+# and enabled), an operator with no forward-mode formula. Run on the CPU, the ``jacfwd`` cell of
+# pytorch#103161 raises it (the thread's own error, on CUDA, is part 8's:
+# :doc:`plot_troubleshooting_cuda_kernels`; its ``jacrev`` cell runs here). The fixes: reverse mode
 # (``jacrev``, or ``grad`` for a scalar), or ``torch.backends.mkldnn.flags(enabled=False)``
 # around the call, which sends the LSTM through its ordinary operators. In float64 the LSTM does
 # not take the oneDNN route, and ``jacfwd`` runs. Reference: float64 ``torch.autograd.grad``.
@@ -148,22 +160,24 @@ exact = dict(zip(weights, torch.autograd.grad(mean_output(in_float64, torch.floa
 
 
 onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+print(f"  oneDNN available and enabled: {onednn}")  # if not, nothing raises
 if onednn:  # the error's type and first words, asserted
     try:
         jacfwd(mean_output)(weights)
-        raise AssertionError(f"torch {torch.__version__}: jacfwd ran through oneDNN")
+        raise AssertionError(f"torch {torch.__version__}: jacfwd did not raise")
     except NotImplementedError as refusal:
         message = " ".join(str(refusal).split())
         assert type(refusal) is NotImplementedError, type(refusal)
         assert message.startswith("Trying to use forward AD with mkldnn_rnn"), message
         print(f"  NotImplementedError: {textwrap.shorten(message, 96)}")
-# ``quiet`` first: entering the flags warns of TF32 on Intel GPUs.
-quiet = warnings.catch_warnings(action="ignore", category=UserWarning)
-with quiet, torch.backends.mkldnn.flags(enabled=False):
+oneDNN_off = torch.backends.mkldnn.flags(enabled=False)
+with warnings.catch_warnings(record=True) as heard, oneDNN_off:  # kept off the page
     each_tensor("jacfwd, oneDNN off", jacfwd(mean_output)(weights), exact, 2e-6)
+notes = {str(w.message).split(" is ")[0] for w in heard}  # the flags' own note only
+assert notes <= {"TF32 acceleration on top of oneDNN"}, notes
 each_tensor("jacrev, as it runs", jacrev(mean_output)(weights), exact, 2e-6)
 each_tensor("jacfwd in float64", jacfwd(mean_output)(
-    {name: p.double() for name, p in weights.items()}, torch.float64), exact, 1e-13)  # fmt: skip
+    {name: p.double() for name, p in weights.items()}, torch.float64), exact, 1e-14)  # fmt: skip
 
 
 # %%
@@ -220,8 +234,9 @@ torch._dynamo.reset()
 # Two graphs for two batch sizes, though ``dynamic=True``: the recompile log (the records
 # ``TORCH_LOGS=recompiles`` prints) names a guard on the batch size of ``x``, which under
 # ``jacfwd`` stays fixed; ``vmap(grad)`` compiles once (:doc:`plot_compile_and_transforms`). For
-# a release that raises: build the one-hot with ``==`` and ``arange`` as above, or compute it
-# outside the compiled function and pass it in, or compile with ``dynamic=False``.
+# a release that raises: the one-hot built with ``==`` and ``arange`` as above (which also runs
+# where ``F.one_hot`` still fails on 2.13: next section); or, not checked here, as 2.13 does not
+# raise, the one-hot computed outside the compiled function and passed in, or ``dynamic=False``.
 print("  why the second graph:", *sorted(set(reasons)), sep="\n    ")
 assert graphs == {"F.one_hot": 2, "== arange": 2}, graphs
 assert len(reasons) == 2, reasons
@@ -229,6 +244,43 @@ assert all("'x' size mismatch at index 0. expected 37, actual 20" in r for r in 
 # pytorch#181175 (2026) raised the same words from ``torch.func.grad`` over ``ConvTranspose2d``
 # compiled with ``dynamic=True``, in the convolution's double backward; PR #184659 removes the
 # fixed-size checks there. Not re-run here.
+
+
+# %%
+# vmap: It looks like you're either (1) calling .item() ...: F.one_hot under vmap(grad)
+# -------------------------------------------------------------------------------------
+# Still on 2.13: per-sample gradients of a loss that builds ``F.one_hot`` of each sample's label
+# raise this ``RuntimeError``, though ``vmap`` alone and ``grad`` alone run it; probably
+# ``one_hot``'s check of the labels' range, which reads their values once ``grad`` has taken it
+# apart. The one-hot made with ``==`` against ``arange`` runs under both. Reference: a loop of
+# ``torch.autograd.grad`` over single samples, with ``F.one_hot`` itself.
+double = {"dtype": torch.float64, "device": device}
+features = torch.randn(8, 4, **double)
+targets = torch.randint(CLASSES, (8,), device=device)
+scores = torch.randn(CLASSES, 4, **double)
+
+
+def sample_loss(scores, x, label, encode):  # cross-entropy, written with a one-hot
+    return -(encode(label) * torch.log_softmax(scores @ x, dim=0)).sum()
+
+
+by_one_hot = lambda label: F.one_hot(label, CLASSES).to(torch.float64)  # noqa: E731
+by_comparison = lambda label: (label == torch.arange(CLASSES, device=device)).double()  # noqa
+per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0, None))
+try:
+    per_sample(scores, features, targets, by_one_hot)
+    raise AssertionError(f"torch {torch.__version__}: F.one_hot ran under vmap(grad)")
+except RuntimeError as one_hot_error:
+    said = str(one_hot_error)
+    assert said.startswith("vmap: It looks like you're either (1) calling"), said
+    print("  RuntimeError:", textwrap.shorten(said, 96))
+leaf = scores.clone().requires_grad_()
+loop = [torch.autograd.grad(sample_loss(leaf, x, y, by_one_hot), leaf)[0]
+        for x, y in zip(features, targets)]  # fmt: skip
+got = per_sample(scores, features, targets, by_comparison)
+error = gap_to("== arange", got, torch.stack(loop), 1e-15)
+measured["vmap(grad), == arange"] = error, 1e-15
+print(f"  == arange under vmap(grad), against a loop: error {error:.1e} (bound 1e-15)")
 
 
 # %%
@@ -242,7 +294,7 @@ fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
 ax.barh(list(margins), list(margins.values()), color="0.6")
 ax.axvline(1, color="black", linewidth=1)
 ax.set(xscale="log", xlim=(0.3, 3 * EXACT), xlabel="bound / largest error (log scale)")
-ax.set_title(f"{len(margins)} checks, {device.type}, torch {torch.__version__}")
+ax.set_title(f"{len(margins)} checks: LSTM on cpu, one_hot on {device.type}")
 ax.invert_yaxis()
 plt.show()
 
@@ -255,6 +307,6 @@ plt.show()
 # - "Trying to use forward AD with mkldnn_rnn_layer": forward mode through oneDNN's LSTM, in
 #   float32 on the CPU. Use ``jacrev`` or ``grad``, or ``jacfwd`` inside
 #   ``torch.backends.mkldnn.flags(enabled=False)``.
-# - ``F.one_hot`` inside a compiled ``jacfwd`` with ``dynamic=True`` runs on 2.13; on a release
-#   that raises "Cannot call numel()", build it with ``==`` and ``arange``, or pass it in. Under
-#   ``jacfwd`` each batch size compiles its own graph all the same.
+# - ``F.one_hot`` inside a compiled ``jacfwd`` with ``dynamic=True`` runs on 2.13 (each batch
+#   size compiles its own graph all the same); under ``vmap(grad)`` it still raises. The one-hot
+#   built with ``==`` and ``arange`` runs in both, on releases that raise "Cannot call numel()".
