@@ -78,7 +78,7 @@ with raises(RuntimeError, "would mutate a captured Tensor"):
 # are updated once per call (the running mean to 0.9 times itself plus 0.1 times the batch mean),
 # and each output depends on every sample, through the batch statistics (checked by autograd).
 # ``vjp`` has no ``argnums``: there, clone them inside the function and return them as ``aux``
-# (:doc:`../models_as_functions/plot_functional_call_in_practice`, "Buffers").
+# (the page "functional_call in practice", section "Buffers", checks it).
 net[1].running_mean.normal_()  # as if from earlier batches
 state = {name: t.detach().clone() for name, t in net.state_dict().items()}
 jac = jacrev(lambda s, x: functional_call(net, s, (x,)), argnums=1)(state, batch)
