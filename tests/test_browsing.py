@@ -390,6 +390,10 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "Cannot call numel() on tensor with symbolic sizes",
             {"plot_troubleshooting_lstm_and_one_hot"},
         ),
+        (
+            "inplace arithmetic(self, *extra_args) is not possible",
+            {"plot_troubleshooting_lstm_and_one_hot"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

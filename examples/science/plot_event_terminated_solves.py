@@ -38,10 +38,10 @@ DT, STEPS = 0.01, 420  # 4.2 s: longer than any flight below
 # step the height is a cubic in time through both ends with their slopes (Hermite); five Newton
 # steps from the straight-line guess find its root, and the same cubic for ``x`` gives the range.
 # No Python ``if`` or ``while`` reads a tensor.
-def field(state, drag):
+def field(state, drag):  # drag: a number, or a function of the height
     x, y, vx, vy = state
-    speed = torch.sqrt(vx * vx + vy * vy)
-    return torch.stack([vx, vy, -drag * speed * vx, -GRAVITY - drag * speed * vy])
+    k, speed = drag(y) if callable(drag) else drag, torch.sqrt(vx * vx + vy * vy)
+    return torch.stack([vx, vy, -k * speed * vx, -GRAVITY - k * speed * vy])
 
 
 def runge_kutta_step(state, drag):
@@ -56,12 +56,7 @@ def cubic(start, end, slope_start, slope_end, s):  # Hermite; s from 0 to 1 over
     return ends + DT * ((s**3 - 2 * s**2 + s) * slope_start + (s**3 - s**2) * slope_end)
 
 
-def launch(angle):  # x, y, vx, vy at t = 0
-    zero = 0 * angle
-    return torch.stack([zero, HEIGHT + zero, SPEED * angle.cos(), SPEED * angle.sin()])
-
-
-def landing(angle, drag=DRAG):
+def landing(angle, drag=DRAG, freeze=True):
     """Range and time of flight of one ball; also whether it landed within STEPS steps."""
     state = launch(angle)
     landed, time = torch.zeros_like(angle, dtype=torch.bool), torch.zeros_like(angle)
@@ -73,7 +68,7 @@ def landing(angle, drag=DRAG):
         end = torch.where(crossing, new, end)
         start_time = torch.where(crossing, time, start_time)
         landed = landed | crossing
-        state, time = torch.where(landed, state, new), time + DT
+        state, time = torch.where(landed & freeze, state, new), time + DT
     height = lambda s: cubic(start[1], end[1], start[3], end[3], s)  # noqa: E731
     s = start[1] / (start[1] - end[1])  # where the straight line crosses
     for _ in range(5):
@@ -82,9 +77,14 @@ def landing(angle, drag=DRAG):
     return (where, start_time + s * DT), landed
 
 
-def close_to(label, got, want, bound):
+def launch(angle):  # x, y, vx, vy at t = 0
+    zero = 0 * angle
+    return torch.stack([zero, HEIGHT + zero, SPEED * angle.cos(), SPEED * angle.sin()])
+
+
+def close_to(label, got, want, bound):  # gap over the largest reference entry
     gap = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"  {label}: relative error {gap:.1e} (bound {bound:.0e})")
+    print(f"  {label}: {gap:.1e} of the largest entry (bound {bound:.0e})")
     assert gap <= bound, f"{label}: {gap:.1e} above {bound:.0e}"
 
 
@@ -110,8 +110,8 @@ close_to("no drag, range", ranges, SPEED * angles.cos() * closed_times, 5e-14)
 # through the frozen steps (``torch.where`` passes the gradient of the branch it took) and the
 # Newton steps; ``vmap`` maps it over the angles. Reference without drag: the closed form's
 # derivative, by float64 autograd.
-def range_of(angle, drag=DRAG):
-    return landing(angle, drag)[0][0]
+def range_of(angle, drag=DRAG, freeze=True):
+    return landing(angle, drag, freeze)[0][0]
 
 
 slopes = vmap(grad(range_of), in_dims=(0, None))(angles, 0.0)
@@ -153,6 +153,48 @@ slopes = vmap(grad(range_of))(angles)
 differences = [(scipy_landing(a + 1e-6)[0] - scipy_landing(a - 1e-6)[0]) / 2e-6
                for a in angles.tolist()]  # fmt: skip
 close_to("drag, d range / d angle", slopes, torch.tensor(differences, **F64), 5e-8)
+
+
+# %%
+# What the freeze is for: past its event a sample may leave the region where its field is
+# defined. A made-up drag that grows as ``√(1 + y / 1 m)``, not defined below ``y = −1 m``, with
+# the freeze on and off: the landing points agree (the crossing step is kept either way), but
+# without it the later steps compute NaN, which ``torch.where`` does not select, yet its backward
+# multiplies the zero it sends there by those NaN: every slope comes out NaN.
+thin_air = lambda y: DRAG * torch.sqrt(1 + y)  # noqa: E731
+frozen, loose = (vmap(landing, in_dims=(0, None, None))(angles, thin_air, f)[0][0]
+                 for f in (True, False))  # fmt: skip
+close_to("domain-limited drag, freeze on and off: range", loose, frozen, 1e-15)
+slopes_for = {f: vmap(grad(range_of), in_dims=(0, None, None))(angles, thin_air, f)
+              for f in (True, False)}  # fmt: skip
+print(f"  slopes finite with the freeze: {bool(slopes_for[True].isfinite().all())}, "
+      f"without: {bool(slopes_for[False].isfinite().all())}")  # fmt: skip
+assert slopes_for[True].isfinite().all() and slopes_for[False].isnan().all()
+
+# %%
+# Inside a model: ``backward()`` reaches what made the angles
+# -----------------------------------------------------------
+# The solve is ordinary torch code, so a loss on the landing points trains whatever produced
+# the angles. Here a linear layer turns target distances into launch angles (through a
+# sigmoid, kept between 0.15 and 1.35 rad); ``backward()`` through ``vmap(landing)`` fills its
+# ``.grad``. Reference: central differences of the same loss in each of its two parameters.
+aim = torch.nn.Linear(1, 1).to(**F64)
+targets = torch.linspace(20.0, 30.0, 8, **F64)
+
+
+def miss(layer):  # mean squared distance between where each ball lands and its target
+    angle = 0.15 + 1.2 * torch.sigmoid(layer(targets[:, None] / 30).squeeze(-1))
+    return (vmap(landing)(angle)[0][0] - targets).square().mean()
+
+
+miss(aim).backward()
+w, b = aim.weight.item(), aim.bias.item()
+at = lambda w, b: miss(lambda t: t * w + b).item()  # noqa: E731  (the layer, by hand)
+differences = [(at(w + 1e-6, b) - at(w - 1e-6, b)) / 2e-6,
+               (at(w, b + 1e-6) - at(w, b - 1e-6)) / 2e-6]  # fmt: skip
+by_backward = torch.cat([aim.weight.grad.flatten(), aim.bias.grad])
+by_differences = torch.tensor(differences, **F64)
+close_to("backward() into the layer", by_backward, by_differences, 5e-8)
 
 
 # %%
@@ -200,9 +242,10 @@ plt.show()
 # The usual solve steps *while* the ball is in the air. Under ``vmap`` the height is one number
 # per sample, and Python's ``while`` asks a tensor for one truth value: the ``RuntimeError`` of
 # data-dependent control flow (:doc:`../guides/plot_pitfalls`, section 2). torchdiffeq's
-# ``odeint_event`` does the same in its root finding, as read in ``torchdiffeq/_impl/
-# event_handling.py``: an ``assert`` on the signs at both ends and a loop count computed from a
-# tensor (not run here: torchdiffeq is not installed).
+# ``odeint_event`` reads tensors the same way, as read in its source (not run here: torchdiffeq
+# is not installed): its adaptive solvers choose a first step with an ``if`` on a norm
+# (``_select_initial_step``) and step while the event function keeps its sign
+# (``_advance_until_event``), a ``while`` like the one below.
 def landing_by_loop(angle):
     state = launch(angle)
     while state[1] > 0:
@@ -225,20 +268,22 @@ except RuntimeError as stopped:
 # --------------------
 # Every sample takes all ``STEPS`` steps: the frozen ones still compute theirs, then discard
 # them. Counted from the times of flight: the share of steps that moved a ball still in the air;
-# a shorter ``STEPS`` (the longest flight plus one step) wastes less. Timed on 4 angles, the
-# forward solve only: ``vmap`` of ``landing``; a Python loop of ``landing``, one angle at a
-# time; and SciPy's adaptive solver in a loop (its own steps, in NumPy). Each on all threads,
-# five rounds in turn after a warm-up; medians and ranges over the rounds. Where SciPy's loop is
-# the faster, as printed here, and only landing points are wanted, it is the simpler choice; the
-# batch is for solves inside a torch model, where gradients must reach what made the angles.
+# a shorter ``STEPS`` (the longest flight plus one step) wastes less. Timed, the forward solve
+# only, on 4 and on 64 angles: ``vmap`` of ``landing``; SciPy's adaptive solver in a loop (its
+# own steps, at tolerances of 1e-12, in NumPy); and, on 4 angles, a Python loop of ``landing``.
+# Each on all threads, five rounds in turn after a warm-up; medians and ranges over the rounds.
+# Read the two sizes together: the batch runs the same operations on 4 rows as on 64, while a
+# loop does one solve per angle.
 needed = torch.ceil(flight_times / DT)
 used = needed.sum().item() / (STEPS * len(angles))
 print(f"  steps that moved a ball in the air: {used:.0%} of {STEPS} x {len(angles)}")
-some = angles[::16]
+few = angles[::16]
 routes = {
-    "vmap(landing)": lambda: vmap(landing)(some),
-    "loop of landing": lambda: [landing(a) for a in some],
-    "loop of SciPy solves": lambda: [scipy_landing(a) for a in some.tolist()],
+    "vmap(landing), 4": lambda: vmap(landing)(few),
+    "loop of landing, 4": lambda: [landing(a) for a in few],
+    "loop of SciPy, 4": lambda: [scipy_landing(a) for a in few.tolist()],
+    "vmap(landing), 64": lambda: vmap(landing)(angles),
+    "loop of SciPy, 64": lambda: [scipy_landing(a) for a in angles.tolist()],
 }
 threads, rounds = torch.get_num_threads(), {name: [] for name in routes}
 
@@ -255,15 +300,14 @@ for _ in range(5):
         rounds[label].append(one_run(route))
 medians = {name: float(np.median(times)) for name, times in rounds.items()}
 for name, times in rounds.items():
-    print(f"  {name:21s} median {medians[name] * 1e3:7.1f} ms "
-          f"({min(times) * 1e3:.1f} to {max(times) * 1e3:.1f} ms), {len(some)} angles")  # fmt: skip
-vmapped = medians["vmap(landing)"]
-for name in ("loop of landing", "loop of SciPy solves"):
-    ratio = medians[name] / vmapped
+    print(f"  {name:19s} median {medians[name] * 1e3:7.1f} ms "
+          f"({min(times) * 1e3:.1f} to {max(times) * 1e3:.1f} ms)")  # fmt: skip
+for loop, size in [("loop of landing", 4), ("loop of SciPy", 4), ("loop of SciPy", 64)]:
+    ratio = medians[f"{loop}, {size}"] / medians[f"vmap(landing), {size}"]
     worded = f"takes {ratio:.1f}x the time of"
     if ratio < 1:
         worded = f"is {1 / ratio:.1f}x faster than"
-    print(f"  the {name} {worded} vmap(landing)")
+    print(f"  {size} angles: the {loop} {worded} vmap(landing)")
 
 # %%
 # What to remember
@@ -274,5 +318,7 @@ for name in ("loop of landing", "loop of SciPy solves"):
 #   a few Newton steps), with no ``if`` on a tensor.
 # - ``vmap(grad(...))`` differentiates through the frozen steps and the root finding: each
 #   sample's derivative of where it lands, checked here against closed forms and SciPy.
-# - Every sample pays for the longest flight: fix ``STEPS`` from it. For landing points alone,
-#   time an adaptive solver in a loop against the batch, as above.
+# - Every sample pays for all ``STEPS`` steps: fix ``STEPS`` from the longest flight. For
+#   landing points alone, time an adaptive solver in a loop against the batch at your size.
+# - Freeze each sample after its event where the field is not defined past it: a NaN in a
+#   branch ``torch.where`` does not select still makes its gradient NaN.
