@@ -8,7 +8,8 @@ with mkldnn_rnn_layer" from ``jacfwd`` of an LSTM (pytorch#103161); "Cannot call
 ``F.one_hot`` in a compiled ``jacfwd`` (pytorch#160752), and ``F.one_hot`` under ``vmap(grad)``,
 which 2.13 still refuses; "inplace arithmetic" from a mask written in place in library code
 (posteriors#103). Each: what 2.13 does, against a float64 or closed-form reference or a loop; the
-fix, checked where 2.13 runs it; a test for your release. Part 1: :doc:`plot_troubleshooting`.
+fix, checked where 2.13 runs it; where one helps, a test for your release. Part 1:
+:doc:`plot_troubleshooting`.
 """
 
 import copy
@@ -142,14 +143,14 @@ print("  autograd.grad: RuntimeError: ... appears to not have been used in the g
 # %%
 # Trying to use forward AD with mkldnn_rnn_layer that does not support it
 # -----------------------------------------------------------------------
-# A ``NotImplementedError`` from ``jacfwd``, ``jvp`` or ``hessian`` of an LSTM in float32 on
-# the CPU: there the module runs oneDNN's ``aten::mkldnn_rnn_layer`` (when oneDNN is available
-# and enabled), an operator with no forward-mode formula. Run on the CPU, the ``jacfwd`` cell of
-# pytorch#103161 raises it (the thread's own error, on CUDA, is part 8's:
+# A ``NotImplementedError`` from ``jacfwd``, ``jvp`` or ``hessian`` of an LSTM in float32 (or
+# bfloat16) on the CPU: there the module runs oneDNN's ``aten::mkldnn_rnn_layer`` (when oneDNN is
+# available and enabled), an operator with no forward-mode formula. Run on the CPU, the ``jacfwd``
+# cell of pytorch#103161 raises it (the thread's own error, on CUDA, is part 8's:
 # :doc:`plot_troubleshooting_cuda_kernels`; its ``jacrev`` cell runs here). The fixes: reverse mode
-# (``jacrev``, or ``grad`` for a scalar), or ``torch.backends.mkldnn.flags(enabled=False)``
-# around the call, which sends the LSTM through its ordinary operators. In float64 the LSTM does
-# not take the oneDNN route, and ``jacfwd`` runs. Reference: float64 ``torch.autograd.grad``.
+# (``jacrev``, or ``grad`` for a scalar), or ``torch.backends.mkldnn.flags(enabled=False)`` around
+# the call, which sends the LSTM through its ordinary operators. In float64 the LSTM does not take
+# the oneDNN route, and ``jacfwd`` runs. Reference: float64 ``torch.autograd.grad``.
 lstm = nn.LSTM(4, 3, batch_first=True).to(cpu)
 weights = {name: p.detach() for name, p in lstm.named_parameters()}
 
@@ -165,15 +166,16 @@ exact = dict(zip(weights, torch.autograd.grad(mean_output(in_float64, torch.floa
 
 onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 print(f"  oneDNN available and enabled: {onednn}")  # if not, nothing raises
-if onednn:  # the error's type and first words, asserted
+dtypes = (torch.float32, torch.bfloat16) if onednn else ()
+for dtype in dtypes:  # the error's type and first words, asserted
     try:
-        jacfwd(mean_output)(weights)
+        jacfwd(mean_output)({n: p.to(dtype) for n, p in weights.items()}, dtype)
         raise AssertionError(f"torch {torch.__version__}: jacfwd did not raise")
     except NotImplementedError as refusal:
         message = " ".join(str(refusal).split())
         assert type(refusal) is NotImplementedError, type(refusal)
         assert message.startswith("Trying to use forward AD with mkldnn_rnn"), message
-        print(f"  NotImplementedError: {textwrap.shorten(message, 96)}")
+        print(f"  {dtype}: NotImplementedError: {textwrap.shorten(message, 80)}")
 oneDNN_off = torch.backends.mkldnn.flags(enabled=False)
 with warnings.catch_warnings(record=True) as heard, oneDNN_off:  # kept off the page
     each_tensor("jacfwd, oneDNN off", jacfwd(mean_output)(weights), exact, 2e-6)
@@ -291,16 +293,19 @@ print(f"  == arange under vmap(grad), against a loop: error {error:.1e} (bound 1
 
 # %%
 # vmap: inplace arithmetic(self, \*extra_args) is not possible: a mask written in place
-# ------------------------------------------------------------------------------------
-# A ``RuntimeError`` from code you cannot edit: older Hugging Face transformers raised it from
-# their mask code (normal-computing/posteriors#103, 2024), which filled a new full-size mask,
-# then wrote each example's padding into it in place. Under ``vmap`` a batched value cannot be
-# written into a tensor that is not (the pitfalls page, section 1). The fix when the write is
-# not yours: wrap the loss in :func:`~torch.func.functionalize`, which runs each in-place write
-# as a copy. ``mask_in_place`` is a stand-in written here, in a toy attention; the reference is
-# ``grad`` of one example at a time, where the write is legal.
+# -------------------------------------------------------------------------------------
+# A ``RuntimeError`` when a function writes a batched value into a tensor that is not batched (the
+# pitfalls page, section 1), raised from code you cannot edit. posteriors#103 (2024) met it running
+# a Hugging Face model under ``vmap``; the transformers of that year built the mask in
+# ``_update_causal_mask`` by filling a new full-size mask, then writing the padding into it in
+# place (read, not run; right after, it tested the mask's values in a Python ``if``, which ``vmap``
+# refuses too). For a Hugging Face model, pass a 4-D mask, which skips that code:
+# :doc:`../models_as_functions/plot_hugging_face_models`. For a write you cannot avoid: wrap the
+# loss in :func:`~torch.func.functionalize`, which runs each in-place write as a copy.
+# ``mask_in_place`` is a stand-in written here, in a toy attention; the reference is ``grad`` of
+# one example at a time, where the write is legal.
 def mask_in_place(real):  # causal, then each padded key hidden, written into the mask
-    mask = torch.full((real.shape[-1],) * 2, -1e9, **double).triu(1)
+    mask = real.new_full((real.shape[-1],) * 2, -1e9, dtype=torch.float64).triu(1)
     mask[:, :] = mask.masked_fill(real == 0, -1e9)
     return mask
 
@@ -309,7 +314,8 @@ def toy_attention_loss(w, x, real):
     return ((x @ w) @ x.T + mask_in_place(real)).softmax(-1).square().sum()
 
 
-tokens, w = torch.randn(3, 5, 4, **double), torch.randn(4, 4, **double)
+on_device = dict(double, device=device)
+tokens, w = torch.randn(3, 5, 4, **on_device), torch.randn(4, 4, **on_device)
 real = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]], device=device)
 try:
     vmap(grad(toy_attention_loss), in_dims=(None, 0, 0))(w, tokens, real)
@@ -325,7 +331,8 @@ with warnings.catch_warnings(record=True) as fallbacks:
 loop = torch.stack([grad(toy_attention_loss)(w, x, r) for x, r in zip(tokens, real)])
 error = gap_to("functionalize", fixed, loop, 1e-14)
 measured["vmap(grad(functionalize))"] = error, 1e-14
-slow = sorted({str(h.message).split("rule for ")[1].split(".")[0] for h in fallbacks})
+notes = [str(h.message) for h in fallbacks if "batching rule for " in str(h.message)]
+slow = sorted({note.split("rule for ")[1].split(".")[0] for note in notes})
 print(f"  functionalize: error {error:.1e}, against the loop; slow fallback for {slow}")
 assert slow == ["aten::copy"], slow
 
@@ -341,7 +348,8 @@ fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
 ax.barh(list(margins), list(margins.values()), color="0.6")
 ax.axvline(1, color="black", linewidth=1)
 ax.set(xscale="log", xlim=(0.3, 3 * EXACT), xlabel="bound / largest error (log scale)")
-ax.set_title(f"{len(margins)} checks on cpu and {device.type}")
+devices = "cpu" if device == cpu else f"cpu and {device}"
+ax.set_title(f"{len(margins)} checks on {devices}")
 ax.invert_yaxis()
 plt.show()
 
@@ -352,7 +360,7 @@ plt.show()
 #   release, compare with a copy of the module that loaded your dict, differentiated by
 #   ``backward()``; a stale list gives zeros for the LSTM, or a "not used in the graph" error.
 # - "Trying to use forward AD with mkldnn_rnn_layer": forward mode through oneDNN's LSTM, in
-#   float32 on the CPU. Use ``jacrev`` or ``grad``, or ``jacfwd`` inside
+#   float32 or bfloat16 on the CPU. Use ``jacrev`` or ``grad``, or ``jacfwd`` inside
 #   ``torch.backends.mkldnn.flags(enabled=False)``.
 # - ``F.one_hot`` inside a compiled ``jacfwd`` with ``dynamic=True`` runs on 2.13 (each batch
 #   size compiles its own graph all the same); under ``vmap(grad)`` it still raises on the CPU.
