@@ -294,18 +294,19 @@ print(f"  == arange under vmap(grad), against a loop: error {error:.1e} (bound 1
 # %%
 # vmap: inplace arithmetic(self, \*extra_args) is not possible: a mask written in place
 # -------------------------------------------------------------------------------------
-# A ``RuntimeError`` when a function writes a batched value into a tensor that is not batched (the
-# pitfalls page, section 1), raised from code you cannot edit. posteriors#103 (2024) met it running
-# a Hugging Face model under ``vmap``; the transformers of that year built the mask in
-# ``_update_causal_mask`` by filling a new full-size mask, then writing the padding into it in
-# place (read, not run; right after, it tested the mask's values in a Python ``if``, which ``vmap``
-# refuses too). For a Hugging Face model, pass a 4-D mask, which skips that code:
+# A ``RuntimeError`` when a function writes a batched value into a tensor that is not batched
+# (:doc:`plot_pitfalls`, section 1), raised from code you cannot edit. posteriors#103 (2024) met it
+# running a Hugging Face model under ``vmap``; the transformers of that year built the mask in
+# ``_update_causal_mask``, writing into a new full-size mask in place (read, not run), and the
+# thread's answer is the example's pinned versions (torch 2.0.1, transformers 4.33.2). On
+# transformers 5.24, this site's, pass a 4-D mask:
 # :doc:`../models_as_functions/plot_hugging_face_models`. For a write you cannot avoid: wrap the
 # loss in :func:`~torch.func.functionalize`, which runs each in-place write as a copy.
 # ``mask_in_place`` is a stand-in written here, in a toy attention; the reference is ``grad`` of
 # one example at a time, where the write is legal.
 def mask_in_place(real):  # causal, then each padded key hidden, written into the mask
-    mask = real.new_full((real.shape[-1],) * 2, -1e9, dtype=torch.float64).triu(1)
+    size = (real.shape[-1],) * 2  # not from real: a new tensor, outside vmap's batch
+    mask = torch.full(size, -1e9, dtype=torch.float64, device=real.device).triu(1)
     mask[:, :] = mask.masked_fill(real == 0, -1e9)
     return mask
 
