@@ -162,11 +162,11 @@ close_to("drag, d range / d angle", slopes, torch.tensor(differences, **F64), 5e
 # Past its event a sample may leave the region where its field is defined. A made-up drag that
 # grows as ``√(1 + y / 1 m)``, not defined below ``y = −1 m``, with the freeze on and off: the
 # landing points agree (the crossing step is kept either way), but without the freeze the later
-# steps compute NaN. ``torch.where`` sends those steps a zero gradient, and the square root's
-# backward divides it by a NaN: every slope comes out NaN. The freeze covers the steps after the
-# crossing; the crossing step itself evaluates the field a little past the event (its Runge-Kutta
-# stages), so a field defined only up to the event also needs its input kept inside
-# (``torch.where`` on the height before the square root).
+# steps compute NaN. ``torch.where`` sends those steps a zero gradient, and the backward of each
+# operation that computed a NaN turns that zero into NaN (0 × NaN): every slope comes out NaN. The
+# freeze covers the steps after the crossing; the crossing step itself evaluates the field a little
+# past the event (its Runge-Kutta stages), so a field defined only down to the event needs its
+# input kept inside too: a drag ``√(y / 1 m)``, with and without ``torch.where`` on the height.
 thin_air = lambda y: DRAG * torch.sqrt(1 + y)  # noqa: E731
 frozen, loose = (vmap(landing, in_dims=(0, None, None))(angles, thin_air, f)[0][0]
                  for f in (True, False))  # fmt: skip
@@ -176,6 +176,12 @@ slopes_for = {f: vmap(grad(range_of), in_dims=(0, None, None))(angles, thin_air,
 print(f"  slopes finite with the freeze: {bool(slopes_for[True].isfinite().all())}, "
       f"without: {bool(slopes_for[False].isfinite().all())}")  # fmt: skip
 assert slopes_for[True].isfinite().all() and slopes_for[False].isnan().all()
+to_ground = {"unguarded": lambda y: DRAG * torch.sqrt(y),
+             "guarded": lambda y: DRAG * torch.sqrt(torch.where(y > 0, y, 0.0))}  # fmt: skip
+lands = {k: vmap(landing, (0, None))(angles, drag)[1] for k, drag in to_ground.items()}
+print("  drag defined down to the ground; balls that land:",
+      {k: f"{int(v.sum())} of {len(v)}" for k, v in lands.items()})  # fmt: skip
+assert lands["guarded"].all() and not lands["unguarded"].all(), lands
 
 # %%
 # Inside a model: ``backward()`` reaches what made the angles
@@ -281,7 +287,8 @@ except RuntimeError as stopped:
 # only, on 4 and on 64 angles: ``vmap`` of ``landing``; SciPy's adaptive solver in a loop (its
 # own steps, at tolerances of 1e-12, in NumPy: a more accurate answer than the fixed steps'); and,
 # on 4 angles, a Python loop of ``landing``.
-# Each on all threads, five rounds in turn after a warm-up; medians and ranges over the rounds.
+# Each on all threads, three rounds in turn after a warm-up, one timed call per round (each
+# ``Timer.timeit`` runs the call twice more first, as its own warm-up); medians and ranges.
 # Read the two sizes together: the batch runs the same operations on 4 rows as on 64, while a
 # loop does one solve per angle.
 needed = torch.ceil(flight_times / DT)
@@ -305,7 +312,7 @@ def one_run(route):  # seconds for one call, on all threads
 
 for route in routes.values():
     route()  # warm-up
-for _ in range(5):
+for _ in range(3):
     for label, route in routes.items():
         rounds[label].append(one_run(route))
 medians = {name: float(np.median(times)) for name, times in rounds.items()}
