@@ -25,7 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.func import functional_call, functionalize, grad, jacfwd, jacrev, vmap
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-cpu = torch.device("cpu")  # for the LSTM sections: the CPU's kernel, and Python
+cpu = torch.device("cpu")  # sections 1, 2 and 4: the CPU's kernels, and Python
 torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 measured = {}  # label: (error, bound), for the figure at the end
@@ -299,7 +299,8 @@ print(f"  == arange under vmap(grad), against a loop: error {error:.1e} (bound 1
 # running a Hugging Face model under ``vmap``; the transformers of that year built the mask in
 # ``_update_causal_mask``, writing into a new full-size mask in place (read, not run), and the
 # thread's answer is the example's pinned versions (torch 2.0.1, transformers 4.33.2). On
-# transformers 5.24, this site's, pass a 4-D mask:
+# transformers 5.24, this site's, pass the mask in 4-D, for a causal model (1, 1, L, L) with the
+# causal triangle in it: the GPT-2 section of
 # :doc:`../models_as_functions/plot_hugging_face_models`. For a write you cannot avoid: wrap the
 # loss in :func:`~torch.func.functionalize`, which runs each in-place write as a copy.
 # ``mask_in_place`` is a stand-in written here, in a toy attention; the reference is ``grad`` of
@@ -341,8 +342,9 @@ assert slow == ["aten::copy"], slow
 # %%
 # How far each check is from failing
 # ----------------------------------
-# Each check's margin: its bound over its largest error against the hand-written, float64 or
-# closed-form reference. A check fails left of the line at 1; an exact match is drawn at 1e12.
+# Each check's margin: its bound over its largest error against its reference (hand-written,
+# float64, a closed form, a loop or the loaded module). A check fails left of the line at 1; an
+# exact match is drawn at 1e12.
 EXACT = 1e12
 margins = {name: b / e if e else EXACT for name, (e, b) in measured.items()}
 fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
