@@ -25,7 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.func import functional_call, functionalize, grad, jacfwd, jacrev, vmap
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-cpu = torch.device("cpu")  # sections 1, 2 and 4: the CPU's kernels, and Python
+cpu = torch.device("cpu")  # sections 1, 2 and 4: their errors are the CPU's
 torch.manual_seed(0)
 print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads")
 measured = {}  # label: (error, bound), for the figure at the end
@@ -240,9 +240,9 @@ torch._dynamo.reset()
 # Two graphs for two batch sizes, though ``dynamic=True``: the recompile log (the records
 # ``TORCH_LOGS=recompiles`` prints) names a guard on the batch size of ``x``, which under
 # ``jacfwd`` stays fixed; ``vmap(grad)`` compiles once (:doc:`plot_compile_and_transforms`). For
-# a release that raises: the one-hot built with ``==`` and ``arange`` as above (which also runs
-# where ``F.one_hot`` still fails on 2.13: next section); or, not checked here, as 2.13 does not
-# raise, the one-hot computed outside the compiled function and passed in, or ``dynamic=False``.
+# a release that raises (none checked here, as 2.13 does not raise): the one-hot built with
+# ``==`` and ``arange`` as above, which also runs where ``F.one_hot`` still fails on 2.13 (next
+# section); the one-hot computed outside the compiled function and passed in; ``dynamic=False``.
 print("  why the second graph:", *sorted(set(reasons)), sep="\n    ")
 assert graphs == {"F.one_hot": 2, "== arange": 2}, graphs
 assert len(reasons) == 2, reasons
@@ -299,8 +299,8 @@ print(f"  == arange under vmap(grad), against a loop: error {error:.1e} (bound 1
 # running a Hugging Face model under ``vmap``; the transformers of that year built the mask in
 # ``_update_causal_mask``, writing into a new full-size mask in place (read, not run), and the
 # thread's answer is the example's pinned versions (torch 2.0.1, transformers 4.33.2). On
-# transformers 5.24, this site's, pass the mask in 4-D, for a causal model (1, 1, L, L) with the
-# causal triangle in it: the GPT-2 section of
+# transformers 5.24, this site's, pass the mask in 4-D and additive (0, or the dtype's minimum),
+# for a causal model (1, 1, L, L) with the causal triangle in it: the GPT-2 section of
 # :doc:`../models_as_functions/plot_hugging_face_models`. For a write you cannot avoid: wrap the
 # loss in :func:`~torch.func.functionalize`, which runs each in-place write as a copy.
 # ``mask_in_place`` is a stand-in written here, in a toy attention; the reference is ``grad`` of
@@ -366,7 +366,8 @@ plt.show()
 #   float32 or bfloat16 on the CPU. Use ``jacrev`` or ``grad``, or ``jacfwd`` inside
 #   ``torch.backends.mkldnn.flags(enabled=False)``.
 # - ``F.one_hot`` inside a compiled ``jacfwd`` with ``dynamic=True`` runs on 2.13 (each batch
-#   size compiles its own graph all the same); under ``vmap(grad)`` it still raises on the CPU.
-#   The one-hot built with ``==`` and ``arange`` runs in both, and where "Cannot call numel()".
+#   size compiles its own graph all the same); under ``vmap(grad)`` it still raises (on the CPU
+#   this message). The one-hot built with ``==`` and ``arange`` runs in both.
 # - An in-place write in code you cannot edit: ``vmap(grad(functionalize(loss)))``, at the price
-#   of ``vmap``'s slower fallback for the copy it becomes.
+#   of ``vmap``'s slower fallback for the copy it becomes. For Hugging Face models, first a 4-D
+#   additive mask, as the Hugging Face page builds it.
