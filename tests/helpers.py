@@ -1,5 +1,6 @@
 """What the tests share: where things are, a clean copy of the sources, and the front door."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -98,6 +99,15 @@ def downloaded(site, name):
 
 
 def soup(path):
+    """The parsed page, parsed once per version of the file: the tests only read it, and
+    parsing a long example page takes a large part of a second."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path, mtime_ns, size):
     return BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
 
 
