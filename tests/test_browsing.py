@@ -300,6 +300,7 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
         ("vmap", {"plot_per_sample_grads", "plot_batch_jacobians_hessians"}),
         ("jacrev", {"plot_jacobians_hessians", "plot_per_sample_param_jacobians"}),
         ("hessian", {"plot_jacobians_hessians", "plot_batch_jacobians_hessians"}),
+        ("hand-written derivative", {"plot_against_a_hand_written_derivative"}),
         # An error message pasted into the search finds the troubleshooting entry for it.
         ("ZeroTensors are immutable", {"plot_troubleshooting"}),
         ("jacrev: Expected all inputs to be real", {"plot_troubleshooting"}),
