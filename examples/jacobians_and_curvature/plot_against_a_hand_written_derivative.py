@@ -151,6 +151,8 @@ def known_case(rows):
 assert operations(hand_written_gradient, rows) == [("mul", True)]
 known_answer = [("mul", True), ("add_", True), ("sum", False)]
 assert operations(known_case, rows) == known_answer
+# Under vmap it sees the batched operation, one mul over the whole batch, not one per row.
+assert operations(vmap(hand_written_gradient), rows) == [("mul", True)]
 routes = {
     "vmap(jacrev(f))": vmap(jacrev(sum_of_squares)),
     "vmap(grad(f))": vmap(grad(sum_of_squares)),
