@@ -24,6 +24,7 @@ from helpers import (
     read_times,
     times_from_execution_page,
 )
+from jupyter_client import AsyncKernelManager
 from nbclient import NotebookClient
 
 
@@ -39,50 +40,114 @@ class Site:
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory, notebooks) -> Site:
-    """The site the tests read: built here from a clean copy, or, with SITE_TREE=path, the one
-    that `make html` or `make merge` built in that tree (CI tests the merge of its shards).
+def site(site_build) -> Site:
+    """The site the tests read: built here from a clean copy (see site_build), or, with
+    SITE_TREE=path, the one that `make html` or `make merge` built in that tree (CI tests the
+    merge of its shards)."""
+    return site_build.result()
 
-    While it builds, each selected example's notebook starts in a kernel as soon as the build
-    has written it (see NotebookRunner)."""
+
+@pytest.fixture(scope="session", autouse=True)
+def site_build(request, tmp_path_factory, notebooks):
+    """Starts the one build of the site as the session starts, when a selected test reads it.
+
+    It builds in the background: the tests that do not read the site run meanwhile (they are
+    collected first), and each selected example's notebook starts in a kernel as soon as the
+    build has written it (see NotebookRunner)."""
     if os.environ.get("SITE_TREE"):
-        built = built_site(Path(os.environ["SITE_TREE"]).resolve())
-        notebooks.all_built(built.tree)
-        return built
-    tree = copy_sources(tmp_path_factory.mktemp("site"))
-    with ThreadPoolExecutor(1) as background:
-        # One thread for the build: a notebook kernel runs beside it on the other core.
-        build = background.submit(
-            make, tree, "html", env={"OMP_NUM_THREADS": "1"}, timeout=1800
-        )
-        while not build.done():
-            notebooks.offer_written(tree)
-            time.sleep(POLL_S)
-        result = build.result()
-    log = result.stdout + result.stderr
-    if result.returncode != 0:
-        notebooks.cancel()
-        pytest.fail(
-            f"`make html` failed with exit code {result.returncode}:\n{log[-6000:]}"
-        )
-    notebooks.all_built(tree)
-    BUILT_TREES.append(tree)
-    return Site(tree=tree, html=tree / "_build" / "html", log=log)
+        return BuiltTree(Path(os.environ["SITE_TREE"]).resolve(), notebooks)
+    if not any(reads_the_site(item) for item in request.session.items):
+        return None
+    return SiteBuild(copy_sources(tmp_path_factory.mktemp("site")), notebooks)
+
+
+def reads_the_site(item):
+    return "site" in getattr(item, "fixturenames", ())
+
+
+class SiteBuild:
+    """`make html` in `tree`, on one thread, in a background thread; result() waits for it."""
+
+    def __init__(self, tree, notebooks):
+        self.tree, self.notebooks = tree, notebooks
+        self.outcome = Future()
+        threading.Thread(target=self._build, daemon=True).start()
+
+    def _build(self):
+        try:
+            self.outcome.set_result(self._run())
+        except BaseException as error:  # raised again by result(), in the tests
+            self.notebooks.cancel()
+            self.outcome.set_exception(error)
+
+    def _run(self):
+        with ThreadPoolExecutor(1) as background:
+            # One thread for the build: the tests and the notebook kernels share the other core.
+            build = background.submit(
+                make, self.tree, "html", env={"OMP_NUM_THREADS": "1"}, timeout=1800
+            )
+            while not build.done():
+                self.notebooks.offer_written(self.tree)
+                time.sleep(POLL_S)
+            result = build.result()
+        log = result.stdout + result.stderr
+        if result.returncode != 0:
+            self.notebooks.cancel()
+            return (
+                f"`make html` failed with exit code {result.returncode}:\n{log[-6000:]}"
+            )
+        self.notebooks.all_built(self.tree)
+        BUILT_TREES.append(self.tree)
+        return Site(tree=self.tree, html=self.tree / "_build" / "html", log=log)
+
+    def result(self) -> Site:
+        outcome = self.outcome.result()
+        if isinstance(outcome, str):
+            pytest.fail(outcome)
+        return outcome
+
+
+class BuiltTree:
+    """SITE_TREE's site, built before the tests: its notebooks start at once, beside them."""
+
+    def __init__(self, tree, notebooks):
+        self.site = self.failure = None
+        try:
+            self.site = built_site(tree)
+        except pytest.fail.Exception as failure:
+            self.failure = failure  # each test that reads the site reports it
+            notebooks.cancel()
+        else:
+            notebooks.all_built(tree)
+
+    def result(self) -> Site:
+        if self.failure is not None:
+            raise self.failure
+        return self.site
 
 
 BUILT_TREES = []  # the site fixture's build, for the time report at the end
 
 # Every downloaded notebook runs again in a real kernel (test_downloading.py), one thread each:
 # two kernels of two threads on two cores slow each other down many times over. Timings are
-# never asserted, so the thread count changes no checked result. While the site builds (on one
-# thread), one kernel runs the notebooks the build has written so far; once it is built, two
-# kernels run the rest beside the other tests, whose browser, make and server waits leave cores
-# idle. Their tests are collected last and only wait for them.
-KERNELS_WHILE_BUILDING = 1
-KERNELS_AFTER_BUILDING = 2
+# never asserted, so the thread count changes no checked result. Two kernels run the notebooks
+# from the first one the build writes, at a lower priority (KERNEL_NICENESS): the build and the
+# other tests keep their cores and the kernels take what they leave, the waits of the browser,
+# of make and of other kernels' start-up, then every core once the other tests are done. Their
+# tests are collected last and only wait for them.
+KERNELS = 2
+KERNEL_NICENESS = 10
 NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
 CELL_TIMEOUT_S = 300
 POLL_S = 2.0
+
+
+class NicedKernelManager(AsyncKernelManager):
+    """A kernel started under `nice`, so that it runs on what the rest of the tests leave."""
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        command = super().format_kernel_cmd(extra_arguments)
+        return ["nice", "-n", str(KERNEL_NICENESS), *command]
 
 
 def execute_notebook(text, workdir):
@@ -94,8 +159,10 @@ def execute_notebook(text, workdir):
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
         resources={"metadata": {"path": str(workdir)}},
+        kernel_manager_class=NicedKernelManager,
+        shutdown_kernel="immediate",  # the kernel is done with: no wait for it to exit
     )
-    # One thread per kernel (see KERNELS_WHILE_BUILDING); raises on the first error cell.
+    # One thread per kernel (see KERNELS); raises on the first error cell.
     client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
     return notebook
 
@@ -118,7 +185,7 @@ class NotebookRunner:
         self.recorded = read_times()
         self.ready = queue.PriorityQueue()
         self.order = itertools.count()
-        self.kernels = [self._start_kernel() for _ in range(KERNELS_WHILE_BUILDING)]
+        self.kernels = [self._start_kernel() for _ in range(KERNELS)]
 
     def _start_kernel(self):
         kernel = threading.Thread(target=self._run_kernels, daemon=True)
@@ -149,15 +216,13 @@ class NotebookRunner:
                 self.ready.put((-seconds, next(self.order), example, text, workdir))
 
     def all_built(self, tree):
-        """The build is over: queue the rest, and run more kernels at once."""
+        """The build is over: queue the rest."""
         self.offer_written(tree)
         for example in self.waiting:  # not written: their tests say so
             self.futures[example].set_exception(
                 FileNotFoundError(f"the build wrote no notebook for {example}")
             )
         self.waiting = []
-        extra = KERNELS_AFTER_BUILDING - len(self.kernels)
-        self.kernels += [self._start_kernel() for _ in range(max(0, extra))]
 
     def cancel(self):
         for future in self.futures.values():
@@ -183,14 +248,6 @@ def notebooks(request, tmp_path_factory):
     yield runner
     runner.cancel()
     runner.stop()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def site_first_when_notebooks_run(request, notebooks):
-    """With notebook tests selected, the site's build starts before any test, so that their
-    kernels start during it."""
-    if notebooks.futures:
-        request.getfixturevalue("site")
 
 
 def built_site(tree):
@@ -234,5 +291,11 @@ def pytest_collection_modifyitems(items):
         raise pytest.UsageError(
             "no examples/**/plot_*.py found: nothing would be tested"
         )
-    # The notebook tests last: by then their notebooks have run beside the other tests.
-    items.sort(key=lambda item: getattr(item, "originalname", None) == NOTEBOOK_TEST)
+    # First the tests that do not read the site, while it builds; then those that do; the
+    # notebook tests last: by then their notebooks have run beside the other tests.
+    items.sort(
+        key=lambda item: (
+            getattr(item, "originalname", None) == NOTEBOOK_TEST,
+            reads_the_site(item),
+        )
+    )

@@ -24,7 +24,7 @@ def gallery_outputs(html_page):
     ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """Two shards built apart, their galleries gathered in one folder, and the merge."""
     outputs = tmp_path_factory.mktemp("shard-outputs")
