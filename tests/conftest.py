@@ -58,7 +58,12 @@ def site_build(request, tmp_path_factory, notebooks):
         return BuiltTree(Path(os.environ["SITE_TREE"]).resolve(), notebooks)
     if not any(reads_the_site(item) for item in request.session.items):
         return None
-    return SiteBuild(copy_sources(tmp_path_factory.mktemp("site")), notebooks)
+    build = SiteBuild(copy_sources(tmp_path_factory.mktemp("site")), notebooks)
+    # The site's build is the longest path through the run: the tests (this thread, and what
+    # it starts) yield to it, and the kernels (KERNEL_NICENESS) to both. On Linux the build's
+    # thread, and the `make` it started, keep their priority.
+    os.nice(TESTS_NICENESS)
+    return build
 
 
 def reads_the_site(item):
@@ -70,8 +75,9 @@ class SiteBuild:
 
     def __init__(self, tree, notebooks):
         self.tree, self.notebooks = tree, notebooks
-        self.outcome = Future()
+        self.outcome, self.started = Future(), threading.Event()
         threading.Thread(target=self._build, daemon=True).start()
+        self.started.wait()  # `make` runs: it keeps the priority it started with
 
     def _build(self):
         try:
@@ -79,6 +85,8 @@ class SiteBuild:
         except BaseException as error:  # raised again by result(), in the tests
             self.notebooks.cancel()
             self.outcome.set_exception(error)
+        finally:
+            self.started.set()
 
     def _run(self):
         with ThreadPoolExecutor(1) as background:
@@ -86,6 +94,8 @@ class SiteBuild:
             build = background.submit(
                 make, self.tree, "html", env={"OMP_NUM_THREADS": "1"}, timeout=1800
             )
+            time.sleep(POLL_S)
+            self.started.set()
             while not build.done():
                 self.notebooks.offer_written(self.tree)
                 time.sleep(POLL_S)
@@ -137,6 +147,7 @@ BUILT_TREES = []  # the site fixture's build, for the time report at the end
 # tests are collected last and only wait for them.
 KERNELS = 2
 KERNEL_NICENESS = 10
+TESTS_NICENESS = 5
 NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
 CELL_TIMEOUT_S = 300
 POLL_S = 2.0
