@@ -9,9 +9,11 @@ test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 import itertools
 import os
 import queue
+import signal
+import subprocess
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +22,10 @@ import pytest
 from helpers import (
     EXAMPLES,
     copy_sources,
-    make,
+    make_command,
     read_times,
     times_from_execution_page,
 )
-from jupyter_client import AsyncKernelManager
 from nbclient import NotebookClient
 
 
@@ -55,15 +56,17 @@ def site_build(request, tmp_path_factory, notebooks):
     collected first), and each selected example's notebook starts in a kernel as soon as the
     build has written it (see NotebookRunner)."""
     if os.environ.get("SITE_TREE"):
-        return BuiltTree(Path(os.environ["SITE_TREE"]).resolve(), notebooks)
+        yield BuiltTree(Path(os.environ["SITE_TREE"]).resolve(), notebooks)
+        return
     if not any(reads_the_site(item) for item in request.session.items):
-        return None
+        yield None
+        return
     build = SiteBuild(copy_sources(tmp_path_factory.mktemp("site")), notebooks)
-    # The site's build is the longest path through the run: the tests (this thread, and what
-    # it starts) yield to it, and the kernels (KERNEL_NICENESS) to both. On Linux the build's
-    # thread, and the `make` it started, keep their priority.
+    # The site's build is the longest path through the run: the tests (this process, and what
+    # it starts from now on) yield to it; `make`, started already, keeps its priority.
     os.nice(TESTS_NICENESS)
-    return build
+    yield build
+    build.stop()
 
 
 def reads_the_site(item):
@@ -71,40 +74,44 @@ def reads_the_site(item):
 
 
 class SiteBuild:
-    """`make html` in `tree`, on one thread, in a background thread; result() waits for it."""
+    """`make html` in `tree`, on one thread, watched by a background thread; result() waits
+    for it, stop() ends it if the session ends first (pytest -x, Ctrl-C)."""
 
     def __init__(self, tree, notebooks):
         self.tree, self.notebooks = tree, notebooks
-        self.outcome, self.started = Future(), threading.Event()
-        threading.Thread(target=self._build, daemon=True).start()
-        self.started.wait()  # `make` runs: it keeps the priority it started with
+        command, env = make_command(tree, "html", env={"OMP_NUM_THREADS": "1"})
+        # Its own process group, to stop it with what it started; the same session, so that
+        # it keeps sharing the CPU with this one as a foreground job would.
+        self.process = subprocess.Popen(
+            command, env=env, text=True, process_group=0, **PIPES
+        )
+        self.outcome = Future()
+        threading.Thread(target=self._watch, daemon=True).start()
 
-    def _build(self):
+    def _watch(self):
         try:
             self.outcome.set_result(self._run())
         except BaseException as error:  # raised again by result(), in the tests
             self.notebooks.cancel()
             self.outcome.set_exception(error)
-        finally:
-            self.started.set()
 
     def _run(self):
-        with ThreadPoolExecutor(1) as background:
-            # One thread for the build: the tests and the notebook kernels share the other core.
-            build = background.submit(
-                make, self.tree, "html", env={"OMP_NUM_THREADS": "1"}, timeout=1800
-            )
-            time.sleep(POLL_S)
-            self.started.set()
-            while not build.done():
-                self.notebooks.offer_written(self.tree)
-                time.sleep(POLL_S)
-            result = build.result()
-        log = result.stdout + result.stderr
-        if result.returncode != 0:
+        started = time.monotonic()
+        while True:
+            self.notebooks.offer_written(self.tree)
+            try:
+                stdout, stderr = self.process.communicate(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - started > BUILD_TIMEOUT_S:
+                    self.stop()
+                    raise
+        log = stdout + stderr
+        if self.process.returncode != 0:
             self.notebooks.cancel()
             return (
-                f"`make html` failed with exit code {result.returncode}:\n{log[-6000:]}"
+                f"`make html` failed with exit code {self.process.returncode}:\n"
+                f"{log[-6000:]}"
             )
         self.notebooks.all_built(self.tree)
         BUILT_TREES.append(self.tree)
@@ -115,6 +122,14 @@ class SiteBuild:
         if isinstance(outcome, str):
             pytest.fail(outcome)
         return outcome
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+
+
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+BUILD_TIMEOUT_S = 1800
 
 
 class BuiltTree:
@@ -136,29 +151,20 @@ class BuiltTree:
         return self.site
 
 
-BUILT_TREES = []  # the site fixture's build, for the time report at the end
+BUILT_TREES = []  # the site's build, for the time report at the end
 
 # Every downloaded notebook runs again in a real kernel (test_downloading.py), one thread each:
 # two kernels of two threads on two cores slow each other down many times over. Timings are
 # never asserted, so the thread count changes no checked result. Two kernels run the notebooks
-# from the first one the build writes, at a lower priority (KERNEL_NICENESS): the build and the
-# other tests keep their cores and the kernels take what they leave, the waits of the browser,
-# of make and of other kernels' start-up, then every core once the other tests are done. Their
-# tests are collected last and only wait for them.
+# from the first one the build writes, beside the build and the other tests. They are not given
+# a lower priority: jupyter_client starts each kernel in a session of its own, and with Linux's
+# autogroup scheduling a session shares the CPU with others whatever its processes' nice value.
+# Their tests are collected last and only wait for them.
 KERNELS = 2
-KERNEL_NICENESS = 10
 TESTS_NICENESS = 5
 NOTEBOOK_TEST = "test_notebook_runs_top_to_bottom_in_a_fresh_kernel"
 CELL_TIMEOUT_S = 300
 POLL_S = 2.0
-
-
-class NicedKernelManager(AsyncKernelManager):
-    """A kernel started under `nice`, so that it runs on what the rest of the tests leave."""
-
-    def format_kernel_cmd(self, extra_arguments=None):
-        command = super().format_kernel_cmd(extra_arguments)
-        return ["nice", "-n", str(KERNEL_NICENESS), *command]
 
 
 def execute_notebook(text, workdir):
@@ -170,7 +176,6 @@ def execute_notebook(text, workdir):
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
         resources={"metadata": {"path": str(workdir)}},
-        kernel_manager_class=NicedKernelManager,
         shutdown_kernel="immediate",  # the kernel is done with: no wait for it to exit
     )
     # One thread per kernel (see KERNELS); raises on the first error cell.

@@ -84,11 +84,16 @@ def make(
 ) -> subprocess.CompletedProcess:
     """Run the real front door, `make ...`, in `tree` with this interpreter (and, with `env`,
     these environment variables too)."""
-    command = ["make", "-C", str(tree), *args, f"PY={sys.executable}", "NEEDS="]
-    env = {**os.environ, "GITHUB_REPOSITORY": repository, **(env or {})}
+    command, env = make_command(tree, *args, repository=repository, env=env)
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def make_command(tree, *args, repository=TEST_REPOSITORY, env=None):
+    """The command line and environment of `make(tree, *args, ...)`."""
+    command = ["make", "-C", str(tree), *args, f"PY={sys.executable}", "NEEDS="]
+    return command, {**os.environ, "GITHUB_REPOSITORY": repository, **(env or {})}
 
 
 def downloaded(site, name):
