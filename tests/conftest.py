@@ -6,16 +6,17 @@ pages in a real browser), test_workflows.py (the CI that builds and publishes th
 test_extensions.py (the site's Sphinx extensions on small inputs, in seconds).
 """
 
+import contextlib
 import itertools
 import os
 import queue
-import signal
 import subprocess
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from signal import SIGHUP, SIGTERM, signal
 
 import nbformat
 import pytest
@@ -62,11 +63,23 @@ def site_build(request, tmp_path_factory, notebooks):
         yield None
         return
     build = SiteBuild(copy_sources(tmp_path_factory.mktemp("site")), notebooks)
-    # The site's build is the longest path through the run: the tests (this process, and what
-    # it starts from now on) yield to it; `make`, started already, keeps its priority.
+    # The site's build is the longest path through the run: the tests yield to it (on Linux
+    # nice is per thread: this thread, and what it starts from now on); `make`, started
+    # already, keeps its priority.
     os.nice(TESTS_NICENESS)
-    yield build
-    build.stop()
+    # The build has a process group of its own: a SIGTERM or SIGHUP to the run's group no
+    # longer reaches it, so they end the session as Ctrl-C does, through this teardown.
+    stopping = {sig: signal(sig, interrupt) for sig in (SIGTERM, SIGHUP)}
+    try:
+        yield build
+    finally:
+        build.stop()
+        for sig, handler in stopping.items():
+            signal(sig, handler)
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def reads_the_site(item):
@@ -105,7 +118,12 @@ class SiteBuild:
             except subprocess.TimeoutExpired:
                 if time.monotonic() - started > BUILD_TIMEOUT_S:
                     self.stop()
-                    raise
+                    stdout, stderr = self.process.communicate()
+                    self.notebooks.cancel()
+                    return (
+                        f"`make html` ran past {BUILD_TIMEOUT_S} s and was stopped:\n"
+                        f"{(stdout + stderr)[-6000:]}"
+                    )
         log = stdout + stderr
         if self.process.returncode != 0:
             self.notebooks.cancel()
@@ -125,10 +143,15 @@ class SiteBuild:
 
     def stop(self):
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.killpg(self.process.pid, SIGTERM)
 
 
-PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+PIPES = {
+    "stdin": subprocess.DEVNULL,
+    "stdout": subprocess.PIPE,
+    "stderr": subprocess.PIPE,
+}
 BUILD_TIMEOUT_S = 1800
 
 
