@@ -398,6 +398,21 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "inplace arithmetic(self, *extra_args) is not possible",
             {"plot_troubleshooting_lstm_and_one_hot"},
         ),
+        (
+            "appears to not have been used in the graph",
+            {
+                "plot_troubleshooting",
+                "plot_troubleshooting_one_sample_numpy_and_integers",
+            },
+        ),
+        (
+            "Expected primal to be floating point or complex",
+            {"plot_troubleshooting_one_sample_numpy_and_integers"},
+        ),
+        (
+            "Can't call numpy() on Tensor that requires grad",
+            {"plot_troubleshooting_one_sample_numpy_and_integers"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

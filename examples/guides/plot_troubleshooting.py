@@ -5,14 +5,15 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box: each title begins with the message's first words as
 PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
 asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
-some. Parts 2 to 16: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
+some. Parts 2 to 17: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
 :doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
 :doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
 :doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
 :doc:`plot_troubleshooting_escaped_tensors`, :doc:`plot_troubleshooting_refused_modules_and_nan`,
 :doc:`plot_troubleshooting_batched_linalg`, :doc:`plot_troubleshooting_training_through_jvp`,
 :doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`,
-:doc:`plot_troubleshooting_lstm_and_one_hot`.
+:doc:`plot_troubleshooting_lstm_and_one_hot`,
+:doc:`plot_troubleshooting_one_sample_numpy_and_integers`.
 """
 
 import contextlib
@@ -236,7 +237,8 @@ agree("fixed-length counts", counts, want, 1e-16)
 # -------------------------------------------------------------------------------
 # A ``RuntimeError`` when ``forward`` reads a parameter from a Python list made in ``__init__``:
 # ``functional_call`` swaps registered parameters, not the list, so the tensor passed goes unused
-# (``grad`` returns zeros). Reading ``self.parameters()`` in ``forward`` (pytorch#92295) works.
+# (``grad`` returns zeros). Another cause, ``y[0]`` differentiated with respect to ``x[0]``, is
+# in :doc:`part 17 <plot_troubleshooting_one_sample_numpy_and_integers>`.
 
 
 class Gated(nn.Module):
@@ -259,8 +261,7 @@ new = {name: t.detach() for name, t in new.items()}
 silent = grad(lambda p: functional_call(gated, p, sample))(new)["gate"]
 print(f"torch.func.grad through the list: gate gradient {silent.tolist()}")
 assert not silent.any()
-# The fix: read the registered attribute (self.gate), or hold the list in an nn.ParameterList.
-# The references are closed forms: W x + b for the gate, gate + 0.2·b for the bias.
+# Fixes: self.gate, self.parameters() (pytorch#92295), ParameterList. By hand: Wx + b, gate + 0.2b.
 fixed = grad(lambda p: functional_call(gated, p, (sample, False)))(new)
 weight, bias, gate = new["lin.weight"], new["lin.bias"], new["gate"]
 agree("gate read as an attribute", fixed["gate"], weight @ sample + bias, 1e-14)
