@@ -413,6 +413,16 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "Can't call numpy() on Tensor that requires grad",
             {"plot_troubleshooting_one_sample_numpy_and_integers"},
         ),
+        (
+            "There is a performance drop because we have not yet implemented the batching "
+            "rule for aten::mse_loss_backward. Please file us an issue on GitHub so that we "
+            "can prioritize its implementation.",
+            {"plot_troubleshooting_hessian_memory_and_block_masks"},
+        ),
+        (
+            "CUDA out of memory. Tried to allocate",
+            {"plot_troubleshooting_hessian_memory_and_block_masks"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

@@ -5,7 +5,7 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box: each title begins with the message's first words as
 PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
 asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
-some. Parts 2 to 17: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
+some. Parts 2 to 18: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
 :doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
 :doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
 :doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
@@ -13,7 +13,8 @@ some. Parts 2 to 17: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troublesh
 :doc:`plot_troubleshooting_batched_linalg`, :doc:`plot_troubleshooting_training_through_jvp`,
 :doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`,
 :doc:`plot_troubleshooting_lstm_and_one_hot`,
-:doc:`plot_troubleshooting_one_sample_numpy_and_integers`.
+:doc:`plot_troubleshooting_one_sample_numpy_and_integers`,
+:doc:`plot_troubleshooting_hessian_memory_and_block_masks`.
 """
 
 import contextlib
@@ -110,8 +111,7 @@ agree("grad inside vmap", per_sample, torch.stack(loop), 1e-14)
 # %%
 # Expected tensors, got unsupported type <class 'float'>
 # ------------------------------------------------------
-# A ``RuntimeError`` from ``jacrev(f, has_aux=True)`` (or ``grad``) when ``f`` returns a
-# Python number as its auxiliary output, such as the loss as a float for logging.
+# A ``RuntimeError`` from ``jacrev(f, has_aux=True)`` or ``grad`` when ``f`` returns a float as aux.
 
 
 def residuals(w, x, as_float=True):  # x an argument: as a global, dynamo's guard on it
@@ -261,7 +261,7 @@ new = {name: t.detach() for name, t in new.items()}
 silent = grad(lambda p: functional_call(gated, p, sample))(new)["gate"]
 print(f"torch.func.grad through the list: gate gradient {silent.tolist()}")
 assert not silent.any()
-# Fixes: self.gate, self.parameters() (pytorch#92295), ParameterList. By hand: Wx + b, gate + 0.2b.
+# Fixes: self.gate, or self.parameters() in forward (pytorch#92295). By hand: Wx + b, gate + 0.2b.
 fixed = grad(lambda p: functional_call(gated, p, (sample, False)))(new)
 weight, bias, gate = new["lin.weight"], new["lin.bias"], new["gate"]
 agree("gate read as an attribute", fixed["gate"], weight @ sample + bias, 1e-14)
