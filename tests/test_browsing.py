@@ -423,6 +423,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "CUDA out of memory. Tried to allocate",
             {"plot_troubleshooting_hessian_memory_and_block_masks"},
         ),
+        (
+            "Expected tensors, got unsupported type <class 'str'>",
+            {"plot_troubleshooting_float_arguments_aux_and_batchnorm"},
+        ),
+        (
+            "replace_all_batch_norm_modules_",
+            {"plot_troubleshooting_float_arguments_aux_and_batchnorm"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

@@ -5,7 +5,7 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box: each title begins with the message's first words as
 PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
 asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
-some. Parts 2 to 18: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
+some. Parts 2 to 19: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
 :doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
 :doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
 :doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
@@ -14,7 +14,8 @@ some. Parts 2 to 18: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troublesh
 :doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`,
 :doc:`plot_troubleshooting_lstm_and_one_hot`,
 :doc:`plot_troubleshooting_one_sample_numpy_and_integers`,
-:doc:`plot_troubleshooting_hessian_memory_and_block_masks`.
+:doc:`plot_troubleshooting_hessian_memory_and_block_masks`,
+:doc:`plot_troubleshooting_float_arguments_aux_and_batchnorm`.
 """
 
 import contextlib
@@ -446,5 +447,4 @@ plt.show()
 # * Transforms want state as inputs and tensors as outputs: pass BatchNorm buffers in, return
 #   tensors from ``has_aux``, and use ``grad``, not ``autograd.grad``, inside ``vmap``.
 # * ``functional_call``: inputs by ``kwargs=``, one name per tied weight, registered parameters.
-# * Complex Jacobians: ``view_as_real`` on both sides. Where ``jvp(grad(...))`` fails on
-#   ``ZeroTensors``, use reverse over reverse, ``vjp`` of ``grad``.
+# * Complex Jacobians: ``view_as_real`` both sides. ``ZeroTensors`` in ``jvp(grad)``: ``vjp(grad)``.

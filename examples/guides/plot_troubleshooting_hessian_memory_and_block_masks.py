@@ -16,6 +16,7 @@ import gc
 import inspect
 import json
 import tempfile
+import textwrap
 import traceback
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch._C._functorch import is_batchedtensor
-from torch.func import hessian, jacfwd, jacrev, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.benchmark import Timer
@@ -50,15 +51,19 @@ def relative_gap(label, got, want, bound):
 # %%
 # CUDA out of memory. Tried to allocate ... GiB: a vectorized Hessian
 # -------------------------------------------------------------------
-# In rfeinman/pytorch-minimize#39 a function of about 8,000 inputs, whose dense Hessian takes
-# about 0.5 GB, made ``torch.autograd.functional.hessian(f, x, vectorize=True)`` ask for
-# 3,732 GiB (on a CPU the message starts "DefaultCPUAllocator"). A vectorized Hessian runs the
-# backward pass of the gradient for every row at once, under ``vmap``: each row in flight holds
-# its own copy of the intermediate values of that pass, so memory grows with the number of rows
-# times the size of those values, not with the Hessian's size. ``torch.func.hessian`` does the
-# same. The fix: rows in chunks, ``jacrev(jacrev(f), chunk_size=c)``, which keeps c rows in flight
-# (``jacfwd`` has no ``chunk_size``). Here f(x) = Σ softplus(Ax) with A of 4,096 × 512, whose
-# Hessian is Aᵀ diag(σ(Ax)(1 − σ(Ax))) A, σ the sigmoid: the reference, in float64.
+# In rfeinman/pytorch-minimize#39 a function of about 8,000 inputs, whose dense Hessian takes about
+# 0.5 GB, made a vectorized Hessian ask for 3,732 GiB (on a CPU, a ``RuntimeError`` naming
+# ``DefaultCPUAllocator``). A vectorized Hessian computes all its rows at once under ``vmap``:
+# ``torch.autograd.functional.hessian(f, x, vectorize=True)`` runs every row's backward pass of the
+# gradient (reverse over reverse; its peak is printed below beside the others),
+# ``torch.func.hessian`` pushes every row's tangent through the gradient (``jacfwd(jacrev(f))``,
+# forward over reverse). Either way each row in flight holds its own intermediate values, so memory
+# grows with the number of rows times their size, not with the Hessian's size. The fix: rows in
+# chunks, ``jacrev(jacrev(f), chunk_size=c)``; or, forward over reverse, ``vmap`` of a
+# Hessian-vector product over the identity's rows with ``chunk_size=c`` (``jacfwd`` has no
+# ``chunk_size``; here its peak is higher, printed below); ``vectorize=False``, the reporter's
+# working call, is a loop, one row at a time. Here f(x) = Σ softplus(Ax) with A of 4,096 × 512,
+# whose Hessian is Aᵀ diag(σ(Ax)(1 − σ(Ax))) A, σ the sigmoid: the reference, in float64.
 rows, inner = 512, 4096
 A = torch.randn(inner, rows, **as64) / rows**0.5
 x = torch.randn(rows, **as64)
@@ -101,10 +106,10 @@ def with_peak_mib(call):
 
 
 _, known = with_peak_mib(lambda: torch.empty(1024, 1024, **as64))
-relative_gap("peak of one 8 MiB tensor", torch.tensor(known), torch.tensor(8.0), 1e-3)
+relative_gap("peak of one 8 MiB tensor", torch.tensor(known), torch.tensor(8.0), 1e-5)
 _, known = with_peak_mib(lambda: (torch.ones(1024, 512, **as64) * 2) + 1)
 relative_gap(
-    "peak of a chain of 4 MiB tensors", torch.tensor(known), torch.tensor(8.0), 1e-3
+    "peak of a chain of 4 MiB tensors", torch.tensor(known), torch.tensor(8.0), 1e-5
 )
 ways = {
     "autograd.functional.hessian(vectorize=True)": lambda: torch.autograd.functional.hessian(
@@ -112,13 +117,29 @@ ways = {
     "torch.func.hessian": lambda: hessian(softplus_sum)(x),
     **{f"jacrev(jacrev(f), chunk_size={c})": lambda c=c: jacrev(
         jacrev(softplus_sum), chunk_size=c)(x) for c in (16, 64, 256)},
+    "vmap(Hessian-vector product, chunk_size=64)": lambda: vmap(
+        hessian_vector_product, chunk_size=64)(torch.eye(rows, **as64)),
+    "autograd.functional.hessian(vectorize=False)": lambda: torch.autograd.functional.hessian(
+        softplus_sum, x),
 }  # fmt: skip
 peaks = {}
+
+
+def hessian_vector_product(v):  # forward over reverse, one row of the Hessian
+    return jvp(grad(softplus_sum), (x,), (v,))[1]
+
+
 for way, call in ways.items():
     result, peaks[way] = with_peak_mib(call)
     relative_gap(f"{way}, {peaks[way]:.1f} MiB", result, closed_form, 1e-14)
 size = closed_form.numel() * closed_form.element_size() / 2**20
 print(f"  the Hessian itself: {size:.1f} MiB")
+unchunked = peaks["torch.func.hessian"]
+smallest = peaks["jacrev(jacrev(f), chunk_size=16)"]
+print(
+    f"  chunk_size=16 peaks at {smallest / unchunked:.2f} of torch.func.hessian's peak"
+)
+assert smallest < 0.2 * unchunked, "chunk_size did not lower the peak"
 
 # %%
 # A straight line through the chunked peaks gives the memory of one row in flight, and the
@@ -141,8 +162,13 @@ fig, ax = plt.subplots(figsize=(6.5, 3.6), layout="constrained")
 ax.plot(
     sizes, measured, "o-", color=METHOD_COLORS["vmap chunked"], label="chunk_size=c"
 )
+in_flight = torch.logspace(torch.log10(sizes[0]), torch.log10(torch.tensor(rows)), 50)
 ax.plot(
-    [16, rows], [fixed + 16 * per_row, predicted], ":", color="black", label="the line"
+    in_flight,
+    fixed + in_flight * per_row,
+    ":",
+    color="black",
+    label="fixed + c · per row",
 )
 ax.plot([rows], [peaks["torch.func.hessian"]], "s", color=METHOD_COLORS["hessian"],
         label="torch.func.hessian (all rows)")  # fmt: skip
@@ -161,38 +187,50 @@ plt.show()
 # vmap: It looks like you're calling .item() on a Tensor: a block mask per batch
 # ------------------------------------------------------------------------------
 # In meta-pytorch/attention-gym#97 (January 2025, on a nightly of that time) a FlexAttention
-# ``mask_mod`` that shifts each batch element's causal mask by its own offset,
-# ``q_idx + pos[b, 0] <= kv_idx``, raised this ``RuntimeError`` from ``create_block_mask``, which
-# calls ``mask_mod`` under nested ``vmap`` with ``b``, ``h``, ``q_idx`` and ``kv_idx`` as batched
-# 0-d tensors. On 2.13 the report's ``mask_mod`` runs (which release changed this, the thread does
-# not say). Reference: the same comparison broadcast by hand over all four indices.
-batch_size, length = 2, 256
-pos = torch.tensor([[3], [100]], device=device)  # one offset per batch element, (B, 1)
+# ``mask_mod`` that moves each batch element's mask by its own offset, the report's
+# ``q_idx + pos[b, 0] <= kv_idx`` (keys at or after the query plus the offset), raised this
+# ``RuntimeError`` from ``create_block_mask``, which calls ``mask_mod`` under nested ``vmap``
+# with ``b``, ``h``, ``q_idx`` and ``kv_idx`` as batched 0-d tensors. On 2.13 it runs. The report
+# passed ``B=None``: then ``b`` takes the value 0 alone, and the one mask made is applied to every
+# batch element. For a mask per batch element, pass ``B``. References: the comparison broadcast
+# by hand over all four indices, and for the block mask the same, reduced to 128 × 128 tiles.
+batch_size, length = 2, 512
+pos = torch.tensor([[3], [200]], device=device)  # one offset per batch element, (B, 1)
+seen = []
 
 
-def shifted_causal(b, h, q_idx, kv_idx):  # the report's
+def shifted(b, h, q_idx, kv_idx):  # the report's
     seen.append((is_batchedtensor(b), is_batchedtensor(q_idx), q_idx.dim()))
     return q_idx + pos[b, 0] <= kv_idx
 
 
-seen = []
-
-
 positions = torch.arange(length, device=device)
 by_hand = positions[None, None, :, None] + pos[:, :, None, None] <= positions
-dense = create_mask(shifted_causal, batch_size, 1, length, length, device=device)
+dense = create_mask(shifted, batch_size, 1, length, length, device=device)
 assert torch.equal(dense, by_hand), (
     "the dense mask differs from the broadcast comparison"
 )
-assert seen and all(s == (True, True, 0) for s in seen), seen
-blocks = create_block_mask(shifted_causal, batch_size, 1, length, length, device=device)
-print(
-    f"  {blocks.shape}: equal to the broadcast comparison; {blocks.sparsity():.1f}% sparse"
+blocks = create_block_mask(shifted, batch_size, 1, length, length, device=device)
+assert seen and all(record == (True, True, 0) for record in seen), seen
+tiles = (
+    by_hand.view(batch_size, 1, length // 128, 128, length // 128, 128).any(5).any(3)
 )
+assert torch.equal(blocks.to_dense().bool(), tiles), (
+    "the block mask differs, tile by tile"
+)
+shared = create_block_mask(shifted, None, None, length, length, device=device)
+assert shared.shape == (1, 1, length, length), shared.shape
+assert torch.equal(shared.to_dense().bool()[0], tiles[0]), "B=None: not batch 0's mask"
+assert not torch.equal(tiles[0], tiles[1]), (
+    "the offsets should differ by a tile or more"
+)
+print(f"  B=2: {tuple(blocks.shape)}, equal to the comparison tile by tile; "
+      f"B=None: {tuple(shared.shape)}, one mask for every batch element")  # fmt: skip
 
 # %%
 # What still raises: turning a batched index's value into a Python number (``.item()``,
-# ``int()``) or branching on it with ``if``. Keep it a tensor, and ``torch.where`` for a branch.
+# ``int()``: this message) or branching on it with ``if`` (the "data-dependent control flow"
+# message). Keep it a tensor, and ``torch.where`` for a branch.
 # To find the line, read the traceback: its last frame in your file is the call that asked for
 # the value (here found by the function's name).
 
@@ -201,7 +239,13 @@ def offset_as_int(b, h, q_idx, kv_idx):
     return q_idx + int(pos[b, 0]) <= kv_idx
 
 
-def offset_capped(b, h, q_idx, kv_idx):  # the fix for "if pos[b, 0] > 50: use 50"
+def offset_branched(b, h, q_idx, kv_idx):
+    if pos[b, 0] > 50:
+        return q_idx + 50 <= kv_idx
+    return q_idx + pos[b, 0] <= kv_idx
+
+
+def offset_capped(b, h, q_idx, kv_idx):  # the fix for the branch: torch.where
     return q_idx + torch.where(pos[b, 0] > 50, 50, pos[b, 0]) <= kv_idx
 
 
@@ -219,6 +263,15 @@ except RuntimeError as refused:
     print(
         f"  RuntimeError: {said[:54]}...; raised in {yours[-1].name}: {yours[-1].line}"
     )
+try:
+    create_block_mask(offset_branched, batch_size, 1, length, length, device=device)
+    raise AssertionError(f"torch {torch.__version__}: if on a batched index ran")
+except RuntimeError as refused:
+    said = str(refused)
+    assert said.startswith(
+        "vmap: It looks like you're attempting to use a Tensor in"
+    ), said
+    print(f"  RuntimeError: {textwrap.shorten(said, 100)}")
 capped = create_mask(offset_capped, batch_size, 1, length, length, device=device)
 by_hand = (
     positions[None, None, :, None] + pos.clamp(max=50)[:, :, None, None] <= positions
@@ -230,40 +283,44 @@ print("  torch.where in the mask_mod: equal to the broadcast comparison with the
 # There is a performance drop because we have not yet implemented ... aten::mse_loss_backward
 # -------------------------------------------------------------------------------------------
 # A ``UserWarning`` that pytorch#146697 met through TorchJD, a library that computes the Jacobian
-# of several losses with respect to the parameters. One way to do that, used here, batches
-# ``autograd.grad`` over the rows of an identity (``is_grads_batched=True``, which runs ``vmap``
-# inside). The warning means ``vmap`` ran that backward operator one row at a time: correct, but
-# slow. On 2.13 the same call warns nothing.
-# The check for your release: record the warnings and look for this one (the check itself is
-# tried on ``torch.bincount``, which 2.13 still runs one sample at a time under ``vmap``). On a
-# release that warns, the loss written out, ``((pred - target) ** 2).mean()``, has no such op.
-features, weight = (
-    torch.randn(32, 8, **as64),
-    torch.randn(8, 3, **as64, requires_grad=True),
-)
+# of several losses with respect to the parameters by batching ``autograd.grad`` over the rows of
+# an identity. It means ``vmap`` ran that backward operator one row at a time: correct, but slow.
+# Two routes batch it. ``torch.vmap`` over ``autograd.grad``, the report's: on 2.13 it warns
+# nothing. ``autograd.grad(..., is_grads_batched=True)``, which runs an older prototype of
+# ``vmap`` whose slow-path warnings are off unless a debug switch turns them on
+# (``torch._C._debug_only_display_vmap_fallback_warnings``): with it on, 2.13 still runs
+# ``mse_loss_backward`` row by row there. The fix on either route: the loss written out,
+# ``((pred - target) ** 2).mean()``, which has no such operator. The check for your release:
+# record the warnings, debug switch on. It is first tried on ``torch.bincount``, which 2.13
+# still runs one sample at a time under ``torch.vmap``. Reference: 2 Xᵀ(XW − T)/(n·k) per loss.
+features = torch.randn(32, 8, **as64)
+weight = torch.randn(8, 3, **as64, requires_grad=True)
 targets = torch.randn(2, 32, 3, **as64)  # two tasks, one loss each
+identity = torch.eye(2, **as64)
 SLOW = (
     "There is a performance drop because we have not yet implemented the batching rule"
 )
 
 
-def slow_fallbacks(call):
+def slow_fallbacks(call, *args):
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always", category=Warning)
-        result = call()
-    return result, [str(w.message).split(" for ")[1].split(".")[0] for w in warned
-                    if str(w.message).startswith(SLOW)]  # fmt: skip
-
-
-def task_jacobian(loss):
-    losses = torch.stack([loss(features @ weight, target) for target in targets])
-    return torch.autograd.grad(
-        losses, weight, torch.eye(2, **as64), is_grads_batched=True
-    )[0]
+        result = call(*args)
+    return result, sorted({str(w.message).split(" for ")[1].split(".")[0] for w in warned
+                           if str(w.message).startswith(SLOW)})  # fmt: skip
 
 
 def written_out(pred, target):
     return (pred - target).square().mean()
+
+
+def by_torch_vmap(losses):
+    return vmap(lambda row: torch.autograd.grad(losses, weight, row, retain_graph=True)[0])(
+        identity)  # fmt: skip
+
+
+def by_flag(losses):
+    return torch.autograd.grad(losses, weight, identity, is_grads_batched=True)[0]
 
 
 labels = torch.tensor([[0, 2, 2], [1, 2, 0]], device=device)  # the same largest label
@@ -273,21 +330,33 @@ with warnings.catch_warnings(record=True) as warned:
 print(
     f"  {type(warned[0].message).__name__}: {str(warned[0].message).split(' (Trig')[0]}"
 )
-_, named = slow_fallbacks(lambda: vmap(torch.bincount)(labels))
-assert named == ["aten::bincount"], named
-for loss in (F.mse_loss, written_out):
-    rows_of_jacobian, named = slow_fallbacks(lambda loss=loss: task_jacobian(loss))
-    print(f"  {loss.__name__}: slow fallbacks {named}")
-    assert named == [], named
-    residuals = (features @ weight).detach() - targets  # d mean(r²)/dW = 2 Xᵀ r / (n·k)
-    by_hand = 2 * features.T @ residuals / residuals[0].numel()
-    relative_gap(
-        f"Jacobian of two losses, {loss.__name__}", rows_of_jacobian, by_hand, 1e-14
-    )
+assert slow_fallbacks(vmap(torch.bincount), labels)[1] == ["aten::bincount"]
+residuals = (features @ weight).detach() - targets  # d mean(r²)/dW = 2 Xᵀ r / (n·k)
+by_hand = 2 * features.T @ residuals / residuals[0].numel()
+was_on = torch._C._debug_only_are_vmap_fallback_warnings_enabled()
+torch._C._debug_only_display_vmap_fallback_warnings(True)
+try:
+    slow = {}
+    for loss in (F.mse_loss, written_out):
+        for route in (by_torch_vmap, by_flag):
+            losses = torch.stack([loss(features @ weight, t) for t in targets])
+            jacobian, names = slow_fallbacks(route, losses)
+            slow[loss.__name__, route.__name__] = names
+            relative_gap(f"{loss.__name__}, {route.__name__}", jacobian, by_hand, 1e-14)
+finally:
+    torch._C._debug_only_display_vmap_fallback_warnings(was_on)
+for (loss_name, route_name), names in slow.items():
+    print(f"  {loss_name}, {route_name}: slow fallbacks {names}")
+assert slow == {
+    ("mse_loss", "by_torch_vmap"): [],
+    ("mse_loss", "by_flag"): ["aten::mse_loss_backward"],
+    ("written_out", "by_torch_vmap"): [],
+    ("written_out", "by_flag"): [],
+}, slow
 
 # %%
-# How fast: functorch.jacfwd against torch.func.jacfwd
-# ----------------------------------------------------
+# (No error) jacfwd slower after moving from functorch? How fast is each
+# ----------------------------------------------------------------------
 # ``functorch.jacfwd`` on 2.13 warns that it is deprecated, then calls ``torch.func.jacfwd``
 # (``torch/_functorch/deprecated.py``): the same work. So a slowdown seen after the move
 # (pytorch/functorch#1126) comes from something else that changed with it, such as the torch
@@ -304,6 +373,10 @@ with warnings.catch_warnings(record=True) as warned:
     warnings.simplefilter("always", category=Warning)
     old = functorch.jacfwd(tall_map)(point)
 print(f"  functorch.jacfwd: {[type(w.message).__name__ for w in warned]}")
+assert [type(w.message) for w in warned] == [FutureWarning], warned
+assert "_impl.jacfwd(" in inspect.getsource(functorch.jacfwd), (
+    "not torch.func's jacfwd?"
+)
 assert torch.equal(old, jacfwd(tall_map)(point)), (
     "functorch.jacfwd computed something else"
 )
@@ -336,11 +409,14 @@ print(f"  {slow} takes {medians[slow] / medians[fast]:.2f}x the time of {fast} h
 # What to remember
 # ----------------
 # - A vectorized Hessian (``autograd.functional.hessian(vectorize=True)``,
-#   ``torch.func.hessian``) holds every row's backward pass at once: its peak is rows × one
-#   pass's intermediates, far above the Hessian's size. ``jacrev(jacrev(f), chunk_size=c)``
-#   bounds it; two chunk sizes give the memory per row, and your budget gives c.
+#   ``torch.func.hessian``) keeps every row in flight at once: its peak is rows × one row's
+#   intermediates, far above the Hessian's size. ``jacrev(jacrev(f), chunk_size=c)`` or a
+#   chunked ``vmap`` of Hessian-vector products bounds it; two chunk sizes give the memory per
+#   row, and your budget gives c.
 # - Under ``create_block_mask`` the indices are batched tensors: index with them (``pos[b, 0]``
-#   runs on 2.13) but never ``.item()``, ``int()`` or ``if``; ``torch.where`` for branches.
-# - A "performance drop" warning means a correct, slow loop; record warnings to check your
-#   release (2.13 has none for ``mse_loss_backward``), or write the loss out.
+#   runs on 2.13), pass ``B`` for a mask per batch element, and never ``.item()``, ``int()`` or
+#   ``if``: ``torch.where`` for branches.
+# - A "performance drop" warning means a correct, slow loop. ``is_grads_batched=True`` hides
+#   its warnings unless the debug switch is on (2.13 still falls back for ``mse_loss_backward``
+#   there, not under ``torch.vmap``); the loss written out avoids it.
 # - ``functorch.jacfwd`` is ``torch.func.jacfwd`` behind a warning: compare releases, not names.

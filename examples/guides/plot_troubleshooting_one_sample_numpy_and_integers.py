@@ -61,8 +61,8 @@ def within(label, got, want, bound):
 # batch and you want one sample's vector-Jacobian product vᵀJ (pytorch#95132). The cause:
 # ``x[0]`` is not a name for a part of ``x``. Indexing runs when you write it and returns a new
 # tensor (a view, with its own node in the graph), made after ``y``; ``y`` was computed from
-# ``x``, never from it; so do ``x.clone()[0]`` and ``x.narrow(0, 0, 1)``, which the report also
-# tried. ``allow_unused=True`` silences the error and returns ``None``. Part 1, under the same
+# ``x``, never from it, nor from ``x.clone()[0]`` or ``x.narrow(0, 0, 1)``, which the report
+# also tried. ``allow_unused=True`` silences the error and returns ``None``. Part 1, under the same
 # message, has another cause: a parameter kept in a Python list.
 net = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 3)).to(device)
 batch = torch.randn(8, 4, device=device, requires_grad=True)
@@ -82,7 +82,8 @@ _, pull_back = vjp(net, batch[0].detach())
 
 # %%
 # Or, in code you control, split the batch into rows before the forward and stack them:
-# ``rows[0]`` is then in the graph. (``allow_unused=True`` is no fix: it returns ``None``.) All
+# ``rows[0]`` is then in the graph (the backward still runs through the whole stacked batch).
+# ``allow_unused=True`` is no fix: it returns ``None``. All
 # three against each sample's Jacobian written by hand in float64,
 # J = W₂ · diag(1 − tanh²(W₁x + b₁)) · W₁, and vᵀJ from it.
 rows = batch.detach().requires_grad_().unbind(0)  # rows made before the forward
