@@ -447,4 +447,4 @@ plt.show()
 # * Transforms want state as inputs and tensors as outputs: pass BatchNorm buffers in, return
 #   tensors from ``has_aux``, and use ``grad``, not ``autograd.grad``, inside ``vmap``.
 # * ``functional_call``: inputs by ``kwargs=``, one name per tied weight, registered parameters.
-# * Complex Jacobians: ``view_as_real`` both sides. ``ZeroTensors`` in ``jvp(grad)``: ``vjp(grad)``.
+# * Complex Jacobians: ``view_as_real`` both sides. If ``jvp(grad)`` hits ``ZeroTensors``: ``vjp``.
