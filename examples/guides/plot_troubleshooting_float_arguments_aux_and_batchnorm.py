@@ -241,7 +241,7 @@ assert moved > 0.01, "eval-mode output did not depend on the batch"
 # %%
 # Estimating the statistics after training through the patched copy: load its weights into the
 # original (an unpatched module, which has the buffers), then let
-# :func:`torch.optim.swa_utils.update_bn` run it over the data in training mode without
+# ``torch.optim.swa_utils.update_bn`` run it over the data in training mode without
 # gradients: it resets the statistics, averages them over the batches (``momentum=None``), and
 # puts the module's ``momentum`` back. Reference: the mean and unbiased variance of the first
 # layer's outputs over the data, by hand, averaged over batches of equal size as the module does.
