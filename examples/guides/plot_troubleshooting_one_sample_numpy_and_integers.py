@@ -37,9 +37,9 @@ def refuses(kind, first_words, call, *args):
     """Asserts that call(*args) raises exactly ``kind``, its message opening with first_words."""
     try:
         call(*args)
-    except Exception as error:  # the type is asserted on the next line
-        said = " ".join(str(error).split())
-        assert type(error) is kind, f"{type(error).__name__}: {said}"
+    except kind as what_raised:
+        said = " ".join(str(what_raised).split())
+        assert type(what_raised) is kind, f"{type(what_raised).__name__}: {said}"
         assert said.startswith(first_words), said
         print(f"  {kind.__name__}: {textwrap.shorten(said, 104)}")
         return
