@@ -431,6 +431,14 @@ def test_example_page_shows_code_output_figure_time_and_downloads(loaded, path):
             "replace_all_batch_norm_modules_",
             {"plot_troubleshooting_float_arguments_aux_and_batchnorm"},
         ),
+        (
+            "Error(s) in loading state_dict",
+            {"plot_troubleshooting_generated_weights_and_memory_growth"},
+        ),
+        (
+            "hypernetwork",
+            {"plot_troubleshooting_generated_weights_and_memory_growth"},
+        ),
     ],
 )
 def test_search_finds_the_examples(visit, query, expected):

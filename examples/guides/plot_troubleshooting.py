@@ -5,17 +5,8 @@ Troubleshooting torch.func, by error message
 Paste an error message into the search box: each title begins with the message's first words as
 PyTorch 2.13 prints them, in alphabetical order. Each section triggers the error (or links it),
 asserts its type and words (``raises``), checks the fix (``agree``); :doc:`plot_pitfalls` explains
-some. Parts 2 to 19: :doc:`plot_troubleshooting_arguments`, :doc:`plot_troubleshooting_libraries`,
-:doc:`plot_troubleshooting_custom_and_compiled`, :doc:`plot_troubleshooting_versions_and_export`,
-:doc:`plot_troubleshooting_eager_only`, :doc:`plot_troubleshooting_compiled_scripted_seeded`,
-:doc:`plot_troubleshooting_cuda_kernels`, :doc:`plot_troubleshooting_indices_and_batched_grads`,
-:doc:`plot_troubleshooting_escaped_tensors`, :doc:`plot_troubleshooting_refused_modules_and_nan`,
-:doc:`plot_troubleshooting_batched_linalg`, :doc:`plot_troubleshooting_training_through_jvp`,
-:doc:`plot_troubleshooting_fixed_reports`, :doc:`plot_troubleshooting_batch_assumed`,
-:doc:`plot_troubleshooting_lstm_and_one_hot`,
-:doc:`plot_troubleshooting_one_sample_numpy_and_integers`,
-:doc:`plot_troubleshooting_hessian_memory_and_block_masks`,
-:doc:`plot_troubleshooting_float_arguments_aux_and_batchnorm`.
+some. Parts 2 to 20, each with what it covers: :ref:`the Guides on the home page
+<guides-on-the-home-page>`.
 """
 
 import contextlib
