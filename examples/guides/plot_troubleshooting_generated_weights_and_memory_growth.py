@@ -357,7 +357,7 @@ if glibc:
     for side in sides:
         hessian(energy)(cluster(side))  # computed, and let go
         clean.append(memory_mib())
-    in_use, kept_free, held = zip(*clean)
+    in_use, _, held = zip(*clean)  # the middle one, kept free, is printed below
     print("  after each Hessian (MiB): in use, free but kept by malloc, held")
     for side, (used, free, resident) in zip(sides, clean):
         print(f"  {side**3:4} atoms: {used:6.1f} {free:6.1f} {resident:6.1f}")
